@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` and `make test`. Both install
+# what they need first (torch pinned when none is present, the dev tools,
+# then pydist itself, built in place), so they work on a fresh machine.
+PYTHON ?= python3
+TORCH_PIN ?= torch==2.13.0
+STAMP := build/.pydist-installed
+SOURCES := $(shell find csrc pydist -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py requirements-dev.txt
+
+.PHONY: install test test-spawn test-mpi demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_PIN)
+	$(PYTHON) -m pip install -r requirements-dev.txt
+	$(PYTHON) -m pip install --no-build-isolation -e .
+	@mkdir -p build && touch $@
+
+# Everything: the spawned-process suite, then the suite launched by mpirun.
+test: install
+	$(PYTHON) -m pytest tests
+
+demo: install
+	$(PYTHON) -m pydist.demo
+
+bench: install
+	$(PYTHON) benchmarks/bench_flatten.py
+
+clean:
+	rm -rf build pydist/_C*.so *.egg-info

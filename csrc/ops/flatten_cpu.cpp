@@ -1,0 +1,164 @@
+// CPU kernels of the flatten ops: one pass over the bytes, split across
+// ATen's intra-op threads when the copy is large enough to pay for them.
+//
+// [Note: one pass over segments]
+// A flatten is a list of (source, destination, length) segments laid end to
+// end in the flat buffer. We parallelise over *elements of the flat buffer*,
+// not over tensors: each thread takes a contiguous range of the buffer and
+// copies the pieces of whichever segments fall in it. A list of 2000 small
+// tensors and one huge tensor split equally well, and no thread touches a
+// cache line another writes, except at range edges.
+#include "ops/flatten.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace pydist::ops {
+namespace {
+
+// Below this many bytes a copy runs on the calling thread: waking the pool
+// costs more than it saves.
+constexpr int64_t kParallelGrainBytes = 1 << 20;
+
+// One contiguous tensor's place in the flat buffer, in elements.
+struct Segment {
+  char* tensor;    // the tensor's data
+  int64_t offset;  // its first element's index in the flat buffer
+  int64_t numel;
+};
+
+// Contiguous tensors become segments; strided ones are returned apart,
+// with their offsets, to be copied by ATen's strided copy.
+struct SegmentPlan {
+  std::vector<Segment> segments;
+  std::vector<std::pair<size_t, int64_t>> strided;  // (index in list, offset)
+};
+
+SegmentPlan plan_segments(at::TensorList tensors) {
+  SegmentPlan plan;
+  plan.segments.reserve(tensors.size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() > 0) {
+      if (t.is_contiguous()) {
+        plan.segments.push_back({static_cast<char*>(t.data_ptr()), offset, t.numel()});
+      } else {
+        plan.strided.emplace_back(i, offset);
+      }
+    }
+    offset += t.numel();
+  }
+  return plan;
+}
+
+// Calls copy(segment, first, count) for every piece of a segment that lies in
+// the flat range [begin, end); `first` is relative to the segment's start.
+template <typename Copy>
+void for_pieces(const std::vector<Segment>& segs, int64_t begin, int64_t end, Copy copy) {
+  auto it = std::upper_bound(segs.begin(), segs.end(), begin,
+                             [](int64_t pos, const Segment& s) { return pos < s.offset; });
+  if (it != segs.begin()) --it;
+  for (; it != segs.end() && it->offset < end; ++it) {
+    int64_t lo = std::max(begin, it->offset);
+    int64_t hi = std::min(end, it->offset + it->numel);
+    if (lo < hi) copy(*it, lo - it->offset, hi - lo);
+  }
+}
+
+// Runs body(begin, end) over [0, total) elements, in parallel when large.
+template <typename Body>
+void over_elements(int64_t total, int64_t itemsize, Body body) {
+  if (total * itemsize < kParallelGrainBytes) {
+    body(0, total);
+  } else {
+    at::parallel_for(0, total, kParallelGrainBytes / itemsize, body);
+  }
+}
+
+void flatten_into_cpu(at::TensorList tensors, const at::Tensor& out) {
+  int64_t total = detail::check_tensor_list("flatten_into", tensors, "tensors");
+  detail::check_flat("flatten_into", "out", out, tensors, total);
+  TORCH_CHECK(out.device().is_cpu(), "flatten_into: `out` is on ", out.device(), ", expected cpu");
+  if (total == 0) return;
+  const int64_t itemsize = out.element_size();
+  char* dst = static_cast<char*>(out.data_ptr());
+  SegmentPlan plan = plan_segments(tensors);
+  over_elements(total, itemsize, [&](int64_t begin, int64_t end) {
+    for_pieces(plan.segments, begin, end, [&](const Segment& s, int64_t first, int64_t count) {
+      std::memcpy(dst + (s.offset + first) * itemsize, s.tensor + first * itemsize, count * itemsize);
+    });
+  });
+  for (auto [index, offset] : plan.strided) {
+    const at::Tensor& t = tensors[index];
+    out.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
+  }
+}
+
+at::Tensor flatten_cpu(at::TensorList tensors) {
+  int64_t total = detail::check_tensor_list("flatten", tensors, "tensors");
+  TORCH_CHECK(!tensors.empty(), "flatten: `tensors` is empty (the Python wrapper handles this)");
+  at::Tensor out = at::empty({total}, tensors[0].options().memory_format(at::MemoryFormat::Contiguous));
+  flatten_into_cpu(tensors, out);
+  return out;
+}
+
+// dst[i] = src[i] * scale, computed as torch's `mul_` by a Python scalar
+// computes it (in the dtype's opmath type), so results match bitwise.
+template <typename T>
+void scaled_copy(T* dst, const T* src, int64_t n, double scale) {
+  using opmath_t = at::opmath_type<T>;
+  const opmath_t s = static_cast<opmath_t>(scale);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<opmath_t>(src[i]) * s);
+}
+
+void unflatten_into_cpu(const at::Tensor& flat, at::TensorList tensors, double scale) {
+  int64_t total = detail::check_tensor_list("unflatten_into", tensors, "tensors");
+  detail::check_flat("unflatten_into", "flat", flat, tensors, total);
+  TORCH_CHECK(flat.device().is_cpu(), "unflatten_into: `flat` is on ", flat.device(), ", expected cpu");
+  const bool plain = scale == 1.0;
+  TORCH_CHECK(plain || at::isFloatingType(flat.scalar_type()), "unflatten_into: scale ", scale,
+              " needs a floating dtype, got ", flat.scalar_type(), " (integer tensors take scale=1)");
+  if (total == 0) return;
+  const int64_t itemsize = flat.element_size();
+  const char* src = static_cast<const char*>(flat.data_ptr());
+  SegmentPlan plan = plan_segments(tensors);
+  if (plain) {
+    over_elements(total, itemsize, [&](int64_t begin, int64_t end) {
+      for_pieces(plan.segments, begin, end, [&](const Segment& s, int64_t first, int64_t count) {
+        std::memcpy(s.tensor + first * itemsize, src + (s.offset + first) * itemsize, count * itemsize);
+      });
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "unflatten_into", [&] {
+      const scalar_t* typed_src = reinterpret_cast<const scalar_t*>(src);
+      over_elements(total, itemsize, [&](int64_t begin, int64_t end) {
+        for_pieces(plan.segments, begin, end, [&](const Segment& s, int64_t first, int64_t count) {
+          scaled_copy(reinterpret_cast<scalar_t*>(s.tensor) + first, typed_src + s.offset + first, count, scale);
+        });
+      });
+    });
+  }
+  for (auto [index, offset] : plan.strided) {
+    const at::Tensor& t = tensors[index];
+    at::Tensor target = t;  // a handle: writes land in the caller's tensor
+    target.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    if (!plain) target.mul_(scale);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pydist, CPU, m) {
+  m.impl("flatten", &flatten_cpu);
+  m.impl("flatten_into", &flatten_into_cpu);
+  m.impl("unflatten_into", &unflatten_into_cpu);
+}
+
+}  // namespace pydist::ops

@@ -1,0 +1,139 @@
+"""Build pydist and its compiled extension, pydist._C.
+
+    pip install --no-build-isolation -e .
+
+pydist builds against the torch already installed (an isolated build
+environment would download a torch of its own), so torch must be importable
+here. The CPU part always builds; the CUDA sources build when torch has CUDA
+and a CUDA toolkit is found. PYDIST_CUDA=auto|0|1 overrides:
+
+    auto  CUDA when torch.version.cuda and a matching nvcc are found (default)
+    0     CPU only
+    1     CUDA required: a missing or mismatched toolkit is an error
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def fail(message):
+    sys.stderr.write(f"\n[pydist setup] error: {message}\n\n")
+    sys.exit(1)
+
+
+def note(message):
+    sys.stderr.write(f"[pydist setup] {message}\n")
+
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:
+    fail(
+        "torch is not importable. pydist compiles against the torch you train with:\n"
+        "  pip install torch            (on this project's CPU machines: torch==2.13.0)\n"
+        "  pip install --no-build-isolation -e .\n"
+        "Without --no-build-isolation pip builds in a fresh environment that has no torch."
+    )
+
+
+def find_cxx():
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        fail(
+            f"no C++ compiler found (looked for '{cxx}' on PATH; set CXX to override). "
+            "Install g++ (Debian/Ubuntu: apt-get install g++)."
+        )
+    return cxx
+
+
+def nvcc_version(cuda_home):
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return None, f"{nvcc} --version failed: {exc}"
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (found.group(1), found.group(2)) if found else None, out
+
+
+def want_cuda():
+    """Decide whether to compile the CUDA sources; explain the decision."""
+    mode = os.environ.get("PYDIST_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        fail(f"PYDIST_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        note("PYDIST_CUDA=0: building the CPU part only")
+        return False
+    problem = None
+    if torch.version.cuda is None:
+        problem = f"this torch ({torch.__version__}) was built without CUDA"
+    elif cpp_extension.CUDA_HOME is None:
+        problem = "no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)"
+    else:
+        version, text = nvcc_version(cpp_extension.CUDA_HOME)
+        torch_major = torch.version.cuda.split(".")[0]
+        if version is None:
+            problem = f"could not read the nvcc version: {text}"
+        elif version[0] != torch_major:
+            problem = (
+                f"CUDA toolkit mismatch: nvcc in {cpp_extension.CUDA_HOME} is {'.'.join(version)}, "
+                f"torch was built with CUDA {torch.version.cuda}; point CUDA_HOME at a "
+                f"{torch_major}.x toolkit"
+            )
+    if problem is None:
+        note(f"building the CUDA kernels (torch CUDA {torch.version.cuda}, {cpp_extension.CUDA_HOME})")
+        return True
+    if mode == "1":
+        fail(f"PYDIST_CUDA=1 but {problem}")
+    note(f"building the CPU part only: {problem}")
+    return False
+
+
+def sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+def extension():
+    find_cxx()
+    with_cuda = want_cuda()
+    cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
+    # torch 2.11+ headers need C++17 at least; newer ones ask for C++20.
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10):
+        cxx_flags[-1] = "-std=c++20"
+    srcs = sources("csrc/**/*.cpp")
+    kwargs = dict(
+        name="pydist._C",
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_link_args=["-fopenmp"],
+    )
+    if with_cuda:
+        srcs += sources("csrc/**/*.cu")
+        return cpp_extension.CUDAExtension(
+            sources=srcs,
+            define_macros=[("PYDIST_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+            **kwargs,
+        )
+    srcs = [s for s in srcs if not s.endswith("_cuda.cpp")]
+    return cpp_extension.CppExtension(sources=srcs, extra_compile_args={"cxx": cxx_flags}, **kwargs)
+
+
+setup(
+    name="pydist",
+    version="0.1.0",
+    description="A readable data-parallel training runtime for PyTorch",
+    packages=find_packages(include=["pydist", "pydist.*"]),
+    python_requires=">=3.10",
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)
