@@ -3,6 +3,11 @@
 // ops/flatten_cuda.cpp) only register implementations of these schemas.
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "reducer/reducer.h"
+
+namespace py = pybind11;
 
 TORCH_LIBRARY(pydist, m) {
   // See csrc/ops/flatten.h for what each op promises and requires.
@@ -18,4 +23,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+
+  using pydist::Reducer;
+  py::class_<pydist::BucketRecord>(m, "BucketRecord", "Timing of one bucket; ns since backward began")
+      .def_readonly("index", &pydist::BucketRecord::index)
+      .def_readonly("num_params", &pydist::BucketRecord::num_params)
+      .def_readonly("bytes", &pydist::BucketRecord::bytes)
+      .def_readonly("first_grad_ns", &pydist::BucketRecord::first_grad_ns)
+      .def_readonly("last_grad_ns", &pydist::BucketRecord::last_grad_ns)
+      .def_readonly("launch_ns", &pydist::BucketRecord::launch_ns)
+      .def_readonly("done_ns", &pydist::BucketRecord::done_ns);
+  py::class_<pydist::IterationRecord>(m, "IterationRecord", "What the reducer measured in one iteration")
+      .def_readonly("iteration", &pydist::IterationRecord::iteration)
+      .def_readonly("backward_end_ns", &pydist::IterationRecord::backward_end_ns)
+      .def_readonly("finalize_end_ns", &pydist::IterationRecord::finalize_end_ns)
+      .def_readonly("buckets", &pydist::IterationRecord::buckets);
+
+  // Methods that wait on collectives release the GIL: a process group written
+  // in Python (the mpi4py backend) needs it to make progress.
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer", "The C++ gradient reducer (csrc/reducer/reducer.h)")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       std::vector<std::vector<int64_t>> buckets, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                       bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
+                       bool record_timing) {
+             pydist::ReducerOptions options;
+             options.gradient_as_bucket_view = gradient_as_bucket_view;
+             options.find_unused_parameters = find_unused_parameters;
+             options.static_graph = static_graph;
+             options.record_timing = record_timing;
+             return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
+                                              std::move(pg), options);
+           }),
+           py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
+           py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
+           py::arg("static_graph") = false, py::arg("record_timing") = false)
+      .def("initialize_buckets", &Reducer::initialize_buckets, nogil)
+      .def("rebuild_buckets", &Reducer::rebuild_buckets, nogil)
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, nogil)
+      .def("delay_all_reduce", &Reducer::delay_all_reduce, nogil)
+      .def("set_comm_hook", &Reducer::set_comm_hook)
+      .def("match_all_reduce_for_bwd_pass", &Reducer::match_all_reduce_for_bwd_pass, nogil)
+      .def("match_unused_params_allreduce", &Reducer::match_unused_params_allreduce, nogil)
+      .def("ready_order", &Reducer::ready_order)
+      .def("bucket_indices", &Reducer::bucket_indices)
+      .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
+      .def("last_record", &Reducer::last_record)
+      .def("set_record_timing", &Reducer::set_record_timing)
+      .def_property_readonly("num_iterations", &Reducer::num_iterations);
 }

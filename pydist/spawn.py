@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -56,7 +57,9 @@ def _rank_main(fn, rank, world_size, args, backend, store_path, timeout, threads
         )
         value = fn(rank, world_size, *args)
         dist.destroy_process_group()
-        results.put((rank, "ok", value, time.time()))
+        # Plain pickle copies tensors by value; the queue's own pickler would
+        # share them through file descriptors that die with this process.
+        results.put((rank, "ok", pickle.dumps(value), time.time()))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, "error", traceback.format_exc(), time.time()))
 
@@ -117,7 +120,7 @@ def _collect(procs, results, timeout):
             continue
         if status == "error":
             _raise_failures(results, [(when, rank, value)], world_size)
-        values[rank] = value
+        values[rank] = pickle.loads(value)
     return [values[r] for r in range(world_size)]
 
 

@@ -1,0 +1,506 @@
+// The gradient reducer: see reducer.h for the pipeline and the contract.
+#include "reducer/reducer.h"
+
+#include "ops/flatten.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_set>
+
+namespace pydist {
+
+using torch::autograd::variable_list;
+
+Reducer::Reducer(std::vector<at::Tensor> params,
+                 std::vector<std::string> param_names,
+                 std::vector<std::vector<int64_t>> bucket_indices,
+                 c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                 ReducerOptions options)
+    : params_(std::move(params)),
+      param_names_(std::move(param_names)),
+      process_group_(std::move(process_group)),
+      options_(options) {
+  TORCH_CHECK(process_group_, "Reducer: process_group is None");
+  TORCH_CHECK(params_.size() == param_names_.size(), "Reducer: got ", params_.size(),
+              " parameters but ", param_names_.size(), " names");
+  const auto n = static_cast<int64_t>(params_.size());
+  average_scale_ = 1.0 / static_cast<double>(process_group_->getSize());
+  local_used_ = at::zeros({n}, at::kInt);
+  global_used_ = at::zeros({n}, at::kInt);
+  ready_.assign(n, false);
+  zeros_.resize(n);
+  hook_calls_expected_.assign(n, 0);
+  hook_calls_left_.assign(n, 0);
+
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params_[i];
+    TORCH_CHECK(p.requires_grad(), "Reducer: parameter ", param_names_[i], " does not require grad");
+    AccumulatorPtr accumulator = torch::autograd::impl::grad_accumulator(p);
+    TORCH_CHECK(accumulator, "Reducer: parameter ", param_names_[i],
+                " has no gradient accumulator (it is not a leaf tensor)");
+    accumulator_index_[accumulator.get()] = i;
+    hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const variable_list& outputs, const variable_list& /*inputs*/) {
+          autograd_hook(i);
+          return outputs;
+        })));
+    grad_accumulators_.push_back(std::move(accumulator));
+  }
+  initialize_buckets(std::move(bucket_indices));
+}
+
+Reducer::~Reducer() {
+  for (size_t i = 0; i < grad_accumulators_.size(); ++i) {
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+// --- buckets ------------------------------------------------------------
+
+void Reducer::check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const {
+  std::vector<int> seen(params_.size(), 0);
+  for (size_t b = 0; b < indices.size(); ++b) {
+    TORCH_CHECK(!indices[b].empty(), "Reducer: bucket ", b, " is empty");
+    const at::Tensor& first = params_.at(indices[b][0]);
+    for (int64_t i : indices[b]) {
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params_.size()), "Reducer: bucket ", b,
+                  " names parameter index ", i, " of ", params_.size());
+      TORCH_CHECK(seen[i]++ == 0, "Reducer: parameter ", param_names_[i], " is in more than one bucket");
+      TORCH_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
+                  "Reducer: bucket ", b, " mixes ", first.scalar_type(), " on ", first.device(), " with ",
+                  param_names_[i], " (", params_[i].scalar_type(), " on ", params_[i].device(), ")");
+    }
+  }
+  for (size_t i = 0; i < seen.size(); ++i) {
+    TORCH_CHECK(seen[i] == 1, "Reducer: parameter ", param_names_[i], " is in no bucket");
+  }
+}
+
+void Reducer::initialize_buckets(std::vector<std::vector<int64_t>> bucket_indices) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  initialize_buckets_locked(std::move(bucket_indices));
+}
+
+void Reducer::rebuild_buckets(std::vector<std::vector<int64_t>> bucket_indices) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  initialize_buckets_locked(std::move(bucket_indices));
+  has_rebuilt_ = true;
+  ready_order_.clear();
+}
+
+void Reducer::initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket_indices) {
+  TORCH_CHECK(!expect_hooks_ || !require_finalize_, "Reducer: buckets cannot change during backward");
+  check_bucket_indices(bucket_indices);
+  buckets_.clear();
+  locators_.assign(params_.size(), Locator{});
+  for (size_t b = 0; b < bucket_indices.size(); ++b) {
+    Bucket bucket;
+    size_t offset = 0;
+    for (int64_t i : bucket_indices[b]) {
+      const at::Tensor& p = params_[i];
+      locators_[i] = Locator{b, bucket.param_indices.size()};
+      bucket.param_indices.push_back(i);
+      bucket.offsets.push_back(offset);
+      bucket.lengths.push_back(static_cast<size_t>(p.numel()));
+      bucket.sizes.push_back(p.sizes());
+      offset += static_cast<size_t>(p.numel());
+    }
+    const at::Tensor& first = params_[bucket_indices[b][0]];
+    bucket.buffer = at::empty({static_cast<int64_t>(offset)}, first.options());
+    for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
+      bucket.views.push_back(bucket.buffer.narrow(0, static_cast<int64_t>(bucket.offsets[slot]),
+                                                  static_cast<int64_t>(bucket.lengths[slot]))
+                                 .view(bucket.sizes[slot]));
+      if (options_.gradient_as_bucket_view) {
+        // A gradient that already exists moves into the bucket; one that does
+        // not stays undefined (it may belong to a globally unused parameter).
+        at::Tensor& grad = params_[bucket.param_indices[slot]].mutable_grad();
+        if (grad.defined() && !grad.is_alias_of(bucket.views[slot])) {
+          bucket.views[slot].copy_(grad);
+          grad = bucket.views[slot];
+        }
+      }
+    }
+    bucket.record.index = static_cast<int64_t>(b);
+    bucket.record.num_params = static_cast<int64_t>(bucket.param_indices.size());
+    bucket.record.bytes = static_cast<int64_t>(offset) * bucket.buffer.element_size();
+    bucket.pending = bucket.param_indices.size();
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+bool Reducer::should_rebuild_buckets_locked() const {
+  return (options_.static_graph || !options_.find_unused_parameters) && !has_rebuilt_;
+}
+
+bool Reducer::should_rebuild_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return should_rebuild_buckets_locked() && !ready_order_.empty();
+}
+
+std::vector<int64_t> Reducer::ready_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ready_order_;
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<int64_t>> out;
+  for (const Bucket& bucket : buckets_) out.push_back(bucket.param_indices);
+  return out;
+}
+
+// --- arming for a backward ----------------------------------------------
+
+std::string Reducer::describe_unready_params() const {
+  std::ostringstream names;
+  int64_t rank = process_group_->getRank();
+  bool first = true;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) {
+      names << (first ? "" : ", ") << param_names_[i];
+      first = false;
+    }
+  }
+  return c10::str("Parameters which did not receive grad for rank ", rank, ": ", names.str());
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!require_finalize_,
+              "Expected to have finished reduction in the prior iteration before starting a new one. "
+              "Your module has parameters that were not used in producing the loss, so their "
+              "gradients never arrived and their buckets were never reduced. Pass "
+              "find_unused_parameters=True to DistributedDataParallel, or make sure every "
+              "parameter takes part in the loss. ",
+              describe_unready_params());
+  reset_for_backward();
+  expect_hooks_ = true;
+  if (!dynamic_find_unused()) return;
+
+  // Walk the autograd graph from the outputs; accumulators not reached
+  // belong to parameters this backward will not give a gradient.
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const at::Tensor& out : outputs) {
+    if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* fn = stack.back();
+    stack.pop_back();
+    for (const auto& edge : fn->next_edges()) {
+      torch::autograd::Node* next = edge.function.get();
+      if (next && seen.insert(next).second) stack.push_back(next);
+    }
+  }
+  for (const auto& [node, index] : accumulator_index_) {
+    if (!seen.count(node)) unused_params_.push_back(index);
+  }
+  std::sort(unused_params_.begin(), unused_params_.end());
+}
+
+void Reducer::reset_for_backward() {
+  if (options_.record_timing) backward_start_ = std::chrono::steady_clock::now();
+  next_bucket_ = 0;
+  marked_unused_ = false;
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (Bucket& bucket : buckets_) {
+    bucket.pending = bucket.param_indices.size();
+    bucket.work.reset();
+    bucket.future.reset();
+    bucket.record.first_grad_ns = bucket.record.last_grad_ns = -1;
+    bucket.record.launch_ns = bucket.record.done_ns = -1;
+  }
+  if (options_.static_graph) hook_calls_left_ = hook_calls_expected_;
+  if (dynamic_find_unused()) unused_params_.clear();
+}
+
+// --- the per-gradient pipeline ------------------------------------------
+
+void Reducer::autograd_hook(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Usage is recorded even under no_sync, so a parameter used only in an
+  // accumulation step still counts as used when the gradients are synced.
+  if (dynamic_find_unused() || static_graph_first_iteration()) {
+    if (params_[index].grad().defined()) local_used_.data_ptr<int>()[index] = 1;
+  }
+  if (!expect_hooks_) return;  // no_sync, or a backward DDP was not armed for
+  if (static_graph_first_iteration()) {
+    ++hook_calls_expected_[index];  // reduced all at once by delay_all_reduce
+    return;
+  }
+  if (!marked_unused_) {
+    marked_unused_ = true;
+    for (int64_t unused : unused_params_) mark_param_ready(unused);
+  }
+  if (options_.static_graph) {
+    TORCH_CHECK(hook_calls_left_[index] > 0, "static_graph=True, but parameter ", param_names_[index],
+                " received a gradient it did not receive in the first iteration: the training graph "
+                "changed, which static_graph does not allow");
+    if (--hook_calls_left_[index] != 0) return;  // more calls to come this iteration
+  }
+  if (should_rebuild_buckets_locked()) ready_order_.push_back(index);
+  mark_param_ready(index);
+}
+
+void Reducer::mark_param_ready(int64_t index) {
+  TORCH_CHECK(!ready_[index], "Expected to mark a variable ready only once. Parameter ", param_names_[index],
+              " received its gradient twice in one backward pass, for example because it is used in "
+              "several reentrant backward passes (checkpointing) or outside forward. If the graph is "
+              "the same every iteration, pass static_graph=True.");
+  ready_[index] = true;
+  require_finalize_ = true;
+  const Locator where = locators_[index];
+  Bucket& bucket = buckets_[where.bucket];
+  if (options_.record_timing) {
+    int64_t t = now_ns();
+    if (bucket.record.first_grad_ns < 0) bucket.record.first_grad_ns = t;
+    bucket.record.last_grad_ns = t;
+  }
+  if (--bucket.pending == 0) mark_bucket_ready(where.bucket);
+  if (next_bucket_ == buckets_.size()) {
+    // Every bucket is in flight: the used-map reduction goes last (the same
+    // order on every rank), then finalize once autograd is done.
+    if (dynamic_find_unused()) launch_local_used_allreduce();
+    torch::autograd::Engine::get_default_engine().queue_callback([this] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finalize_backward();
+    });
+  }
+}
+
+void Reducer::mark_bucket_ready(size_t bucket_index) {
+  // Buckets launch in order, so every rank issues the same collectives in the
+  // same sequence; a bucket completing early waits for those before it.
+  if (bucket_index > next_bucket_) return;
+  for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0; ++next_bucket_) {
+    launch_bucket(buckets_[next_bucket_], next_bucket_);
+  }
+}
+
+at::Tensor& Reducer::zeros_for(int64_t index) {
+  if (!zeros_[index].defined()) {
+    zeros_[index] = at::zeros(params_[index].sizes(), params_[index].options());
+  }
+  return zeros_[index];
+}
+
+void Reducer::launch_bucket(Bucket& bucket, size_t bucket_index) {
+  const size_t n = bucket.param_indices.size();
+  if (options_.gradient_as_bucket_view) {
+    // Gradients accumulate straight into the bucket once they are its views;
+    // one that is not yet (first iteration, or set to None) moves in now.
+    for (size_t slot = 0; slot < n; ++slot) {
+      at::Tensor& grad = params_[bucket.param_indices[slot]].mutable_grad();
+      if (!grad.defined()) {
+        bucket.views[slot].zero_();
+      } else if (!grad.is_alias_of(bucket.views[slot])) {
+        bucket.views[slot].copy_(grad);
+        grad = bucket.views[slot];
+      }
+    }
+    if (!comm_hook_) bucket.buffer.mul_(average_scale_);  // see [Note: averaging]
+  } else {
+    std::vector<at::Tensor> grads;
+    grads.reserve(n);
+    for (size_t slot = 0; slot < n; ++slot) {
+      const int64_t i = bucket.param_indices[slot];
+      const at::Tensor& grad = params_[i].grad();
+      grads.push_back(grad.defined() ? grad : zeros_for(i));
+    }
+    ops::flatten_into(grads, bucket.buffer);
+  }
+
+  if (comm_hook_) {
+    std::vector<at::Tensor> bucket_params;
+    bucket_params.reserve(n);
+    for (int64_t i : bucket.param_indices) bucket_params.push_back(params_[i]);
+    c10d::GradBucket grad_bucket(bucket_index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.lengths,
+                                 bucket.sizes, std::move(bucket_params), std::nullopt);
+    bucket.future = comm_hook_->runHook(grad_bucket);
+  } else {
+    std::vector<at::Tensor> tensors{bucket.buffer};
+    bucket.work = process_group_->allreduce(tensors);
+  }
+  if (options_.record_timing) bucket.record.launch_ns = now_ns();
+}
+
+void Reducer::launch_local_used_allreduce() {
+  global_used_.copy_(local_used_);
+  std::vector<at::Tensor> tensors{global_used_};
+  local_used_work_ = process_group_->allreduce(tensors);
+}
+
+// --- the end of backward -------------------------------------------------
+
+void Reducer::delay_all_reduce() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // static_graph, first iteration: the hooks only counted. Now that the graph
+  // is known, record which parameters it leaves out and reduce everything.
+  launch_local_used_allreduce();
+  unused_params_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (hook_calls_expected_[i] == 0) unused_params_.push_back(static_cast<int64_t>(i));
+  }
+  std::fill(ready_.begin(), ready_.end(), true);
+  require_finalize_ = true;
+  for (Bucket& bucket : buckets_) bucket.pending = 0;
+  mark_bucket_ready(0);
+  finalize_backward();
+}
+
+bool Reducer::globally_unused(int64_t index) const {
+  return have_global_used_ && global_used_.data_ptr<int>()[index] == 0;
+}
+
+void Reducer::finalize_backward() {
+  // Runs with mutex_ held, once per reduced iteration, after autograd is done.
+  TORCH_INTERNAL_ASSERT(next_bucket_ == buckets_.size(), "finalize_backward before every bucket launched");
+  const bool timing = options_.record_timing;
+  if (timing) last_record_.backward_end_ns = now_ns();
+  expect_hooks_ = false;
+  require_finalize_ = false;
+  if (local_used_work_) {
+    local_used_work_->wait();
+    local_used_work_.reset();
+    have_global_used_ = true;
+  }
+  for (Bucket& bucket : buckets_) {
+    if (bucket.work) {
+      bucket.work->wait();
+    } else {
+      bucket.future->wait();
+      if (bucket.future->hasError()) std::rethrow_exception(bucket.future->exception_ptr());
+    }
+    if (timing) bucket.record.done_ns = now_ns();
+    finalize_bucket(bucket);
+  }
+  if (dynamic_find_unused()) local_used_.zero_();
+  if (options_.static_graph && num_iterations_ > 0 && should_rebuild_buckets_locked()) {
+    for (int64_t unused : unused_params_) ready_order_.push_back(unused);
+  }
+  if (timing) {
+    last_record_.iteration = num_iterations_;
+    last_record_.finalize_end_ns = now_ns();
+    last_record_.buckets.clear();
+    for (const Bucket& bucket : buckets_) last_record_.buckets.push_back(bucket.record);
+  }
+  ++num_iterations_;
+}
+
+void Reducer::finalize_bucket(Bucket& bucket) {
+  at::Tensor result = bucket.buffer;
+  if (comm_hook_) {
+    result = comm_hook_->parseHookResult(bucket.future->value());
+    TORCH_CHECK(result.numel() == bucket.buffer.numel(), "comm hook returned a tensor of ", result.numel(),
+                " elements for bucket ", bucket.record.index, " of ", bucket.buffer.numel());
+  }
+  const size_t n = bucket.param_indices.size();
+  if (options_.gradient_as_bucket_view) {
+    if (!result.is_alias_of(bucket.buffer)) bucket.buffer.copy_(result.view(-1));
+    for (size_t slot = 0; slot < n; ++slot) {
+      const int64_t i = bucket.param_indices[slot];
+      if (globally_unused(i)) continue;  // its .grad stays as it was, like torch
+      at::Tensor& grad = params_[i].mutable_grad();
+      if (!grad.defined()) {
+        grad = bucket.views[slot];
+      } else {
+        TORCH_CHECK(grad.is_alias_of(bucket.views[slot]), "gradient_as_bucket_view=True, but the .grad of ",
+                    param_names_[i], " is no longer a view of its bucket (was it replaced during backward?)");
+      }
+    }
+    return;
+  }
+  // Copy back, averaging on the way (see [Note: averaging]).
+  const double scale = comm_hook_ ? 1.0 : average_scale_;
+  std::vector<at::Tensor> grads;
+  grads.reserve(n);
+  bool all_slots = true;
+  for (size_t slot = 0; slot < n; ++slot) {
+    const int64_t i = bucket.param_indices[slot];
+    if (globally_unused(i)) {
+      all_slots = false;
+      continue;
+    }
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (!grad.defined()) grad = at::empty_like(params_[i]);  // used elsewhere, not here
+    grads.push_back(grad);
+  }
+  at::Tensor flat = result.view(-1);
+  if (all_slots) {
+    ops::unflatten_into(flat, grads, scale);
+    return;
+  }
+  size_t next = 0;
+  for (size_t slot = 0; slot < n; ++slot) {
+    if (globally_unused(bucket.param_indices[slot])) continue;
+    at::Tensor& grad = grads[next++];
+    grad.copy_(flat.narrow(0, static_cast<int64_t>(bucket.offsets[slot]), static_cast<int64_t>(bucket.lengths[slot]))
+                   .view(bucket.sizes[slot]));
+    if (scale != 1.0) grad.mul_(scale);
+  }
+}
+
+// --- join: the collectives of a rank that has run out of data -------------
+
+void Reducer::match_all_reduce_for_bwd_pass() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
+    at::Tensor zeros = at::zeros_like(bucket.buffer);
+    if (comm_hook_) {
+      std::vector<at::Tensor> bucket_params;
+      for (int64_t i : bucket.param_indices) bucket_params.push_back(params_[i]);
+      c10d::GradBucket grad_bucket(b, buckets_.size(), zeros, bucket.offsets, bucket.lengths, bucket.sizes,
+                                   std::move(bucket_params), std::nullopt);
+      futures.push_back(comm_hook_->runHook(grad_bucket));
+    } else {
+      std::vector<at::Tensor> tensors{zeros};
+      works.push_back(process_group_->allreduce(tensors));
+    }
+  }
+  for (auto& work : works) work->wait();
+  for (auto& future : futures) {
+    future->wait();
+    if (future->hasError()) std::rethrow_exception(future->exception_ptr());
+  }
+}
+
+void Reducer::match_unused_params_allreduce() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> tensors{local_used_.clone()};
+  process_group_->allreduce(tensors)->wait();
+}
+
+// --- comm hooks and records -----------------------------------------------
+
+void Reducer::set_comm_hook(pybind11::object state, pybind11::object hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!comm_hook_, "register_comm_hook may only be called once");
+  TORCH_CHECK(num_iterations_ == 0 && !require_finalize_,
+              "register_comm_hook must be called before the first backward");
+  comm_hook_ = std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook));
+}
+
+int64_t Reducer::now_ns() const {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - backward_start_)
+      .count();
+}
+
+IterationRecord Reducer::last_record() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_record_;
+}
+
+void Reducer::set_record_timing(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.record_timing = on;
+}
+
+}  // namespace pydist

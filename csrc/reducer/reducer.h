@@ -1,0 +1,245 @@
+// The gradient reducer behind pydist.DistributedDataParallel.
+//
+// One Reducer per wrapped model. It hooks every parameter's gradient
+// accumulator from C++, counts ready gradients per bucket, and launches each
+// bucket's asynchronous all-reduce on a torch ProcessGroup as soon as the
+// bucket (and every bucket before it) is complete. The pipeline, in call
+// order within one iteration:
+//
+//   prepare_for_backward            (Python, after forward)
+//   autograd_hook -> mark_param_ready -> mark_bucket_ready -> launch_bucket
+//                                   (C++, per gradient, from autograd)
+//   finalize_backward               (C++, autograd engine callback at the
+//                                    end of backward: waits, writes back)
+//
+// No Python runs per gradient. A user's comm hook (Python) runs once per
+// bucket, inside launch_bucket.
+//
+// [Note: averaging]
+// Gradients are averaged by world size. Without a comm hook the bucket is
+// all-reduced as a sum and the 1/world_size scale is applied when results are
+// copied back into .grad (pydist::ops::unflatten_into's `scale`), so the
+// average costs no extra pass. With gradient_as_bucket_view the grads *are*
+// the bucket, so the bucket is scaled in place before its all-reduce, as
+// torch does. For power-of-two world sizes both orders give bitwise the same
+// result as torch (a multiply by 2^-k is exact); otherwise they agree to
+// rounding. A comm hook gets raw sums to divide as it sees fit (torch's
+// contract for GradBucket hooks).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace pydist {
+
+// Timing of one bucket in the last reduced iteration, in nanoseconds since
+// that iteration's prepare_for_backward. -1 where the event did not happen.
+struct BucketRecord {
+  int64_t index = 0;
+  int64_t num_params = 0;
+  int64_t bytes = 0;
+  int64_t first_grad_ns = -1;  // first of its gradients became ready
+  int64_t last_grad_ns = -1;   // its last gradient became ready
+  int64_t launch_ns = -1;      // its collective (or comm hook) was launched
+  int64_t done_ns = -1;        // finalize_backward saw its collective complete
+};
+
+// What the reducer measured in the last iteration it reduced.
+struct IterationRecord {
+  int64_t iteration = -1;       // count of reduced iterations, from 0
+  int64_t backward_end_ns = -1; // autograd finished (finalize_backward began)
+  int64_t finalize_end_ns = -1; // all results written back into .grad
+  std::vector<BucketRecord> buckets;
+};
+
+// Constructor options; each mirrors a DistributedDataParallel argument.
+struct ReducerOptions {
+  bool gradient_as_bucket_view = false;
+  bool find_unused_parameters = false;
+  bool static_graph = false;
+  bool record_timing = false;  // keep per-bucket records (off: no clock reads)
+};
+
+// The handle torch gives for a parameter's gradient accumulator: an
+// intrusive pointer in torch 2.13, a shared pointer in older releases.
+using AccumulatorPtr =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+class Reducer {
+ public:
+  // Takes the model's parameters (those that require grad, in model order),
+  // their names (for error messages), the initial bucket assignment (lists of
+  // parameter indices, in launch order; every parameter exactly once; one
+  // dtype and device per bucket) and the group to reduce over. Registers a
+  // post-hook on each parameter's gradient accumulator.
+  Reducer(std::vector<at::Tensor> params,
+          std::vector<std::string> param_names,
+          std::vector<std::vector<int64_t>> bucket_indices,
+          c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+          ReducerOptions options);
+
+  // Removes the hooks, so a dropped wrapper leaves the parameters clean.
+  ~Reducer();
+
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Replaces the bucket assignment (same contract as the constructor's).
+  // Called once by the Python wrapper after the first iteration, with the
+  // assignment rank 0 derived from the order gradients became ready. Must
+  // not be called during backward.
+  void initialize_buckets(std::vector<std::vector<int64_t>> bucket_indices);
+
+  // initialize_buckets once, from the assignment rank 0 derived from
+  // ready_order(); afterwards should_rebuild_buckets() is false for good.
+  void rebuild_buckets(std::vector<std::vector<int64_t>> bucket_indices);
+
+  // Arms the reducer for the backward of the forward that just ran.
+  // Raises if the previous backward left buckets unreduced (parameters that
+  // got no gradient without find_unused_parameters), naming them. With
+  // find_unused_parameters, walks the autograd graph from `outputs` to find
+  // the parameters this backward will not reach. Called from Python after
+  // forward, only when gradients are to be synchronized (not under no_sync).
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // static_graph, first iteration only: reduces every bucket at once at the
+  // end of backward (the graph is not known yet). Queued by the wrapper as an
+  // autograd engine callback from the backward of its output sink.
+  void delay_all_reduce();
+
+  // Runs `hook(state, bucket: GradBucket) -> Future[Tensor]` in place of the
+  // built-in all-reduce, once per bucket. Must be set before the first
+  // backward, once.
+  void set_comm_hook(pybind11::object state, pybind11::object hook);
+
+  // Joined rank of torch.distributed.algorithms.join: launches the same
+  // collectives, in the same bucket order, as a rank still training, on
+  // zero buckets, and waits for them.
+  void match_all_reduce_for_bwd_pass();
+
+  // With find_unused_parameters on a joined rank: matches the all-reduce of
+  // the "parameter used" map that active ranks launch.
+  void match_unused_params_allreduce();
+
+  // Parameter indices in the order their gradients became ready in the
+  // last iteration that recorded it (for rebuilding buckets).
+  std::vector<int64_t> ready_order() const;
+
+  // Current bucket assignment, in launch order.
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+
+  // Whether buckets should be rebuilt from ready_order() at the next forward.
+  bool should_rebuild_buckets() const;
+
+  // Records of the last reduced iteration (empty unless record_timing).
+  IterationRecord last_record() const;
+  void set_record_timing(bool on);
+
+  int64_t num_iterations() const { return num_iterations_; }
+
+ private:
+  // One group of gradients reduced by one collective.
+  struct Bucket {
+    std::vector<int64_t> param_indices;   // into params_, in buffer order
+    std::vector<size_t> offsets;          // element offset of each in buffer
+    std::vector<size_t> lengths;          // numel of each
+    std::vector<c10::IntArrayRef> sizes;  // shape of each (params_ own them)
+    at::Tensor buffer;                    // flat gradients, reduced in place
+    std::vector<at::Tensor> views;        // views of buffer shaped like params
+    size_t pending = 0;                   // gradients not yet ready this iteration
+    c10::intrusive_ptr<c10d::Work> work;  // built-in all-reduce in flight
+    c10::intrusive_ptr<c10::ivalue::Future> future;  // comm hook in flight
+    BucketRecord record;
+  };
+
+  // Where a parameter's gradient lives.
+  struct Locator {
+    size_t bucket = 0;
+    size_t slot = 0;  // position within the bucket
+  };
+
+  // --- the per-gradient pipeline (see the file comment) ---
+  void autograd_hook(int64_t index);
+  void mark_param_ready(int64_t index);
+  void mark_bucket_ready(size_t bucket_index);
+  void launch_bucket(Bucket& bucket, size_t bucket_index);
+  void finalize_backward();
+  void finalize_bucket(Bucket& bucket);
+
+  // --- helpers ---
+  void check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const;
+  void initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket_indices);
+  bool should_rebuild_buckets_locked() const;
+  void reset_for_backward();
+  void launch_local_used_allreduce();
+  bool globally_unused(int64_t index) const;
+  at::Tensor& zeros_for(int64_t index);
+  std::string describe_unready_params() const;
+  int64_t now_ns() const;
+  bool static_graph_first_iteration() const { return options_.static_graph && num_iterations_ == 0; }
+  bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
+
+  // Fixed at construction.
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> param_names_;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  ReducerOptions options_;
+  double average_scale_;  // 1 / world size; see [Note: averaging]
+  std::vector<AccumulatorPtr> grad_accumulators_;  // kept alive: hooks live on them
+  std::vector<uintptr_t> hook_keys_;  // to remove our post-hooks in ~Reducer
+  std::unordered_map<torch::autograd::Node*, int64_t> accumulator_index_;  // for the unused-parameter graph walk
+
+  // Replaced by initialize_buckets.
+  std::vector<Bucket> buckets_;
+  std::vector<Locator> locators_;
+
+  // Per-iteration state, reset by prepare_for_backward.
+  mutable std::mutex mutex_;
+  bool expect_hooks_ = false;          // armed: hooks count towards this backward
+  bool require_finalize_ = false;      // a param was marked ready; finalize must run
+  bool marked_unused_ = false;         // unused_params_ were marked ready this iteration
+  size_t next_bucket_ = 0;             // next bucket to launch (buckets launch in order)
+  std::vector<bool> ready_;            // param marked ready this iteration
+  std::vector<int64_t> unused_params_; // found by the graph walk / static first iteration
+  std::vector<int64_t> ready_order_;   // order gradients became ready (for the rebuild)
+  bool has_rebuilt_ = false;           // buckets were rebuilt from ready_order_ already
+
+  // find_unused_parameters / static_graph: which params got a gradient.
+  // Accumulates across no_sync iterations; reset after each reduction.
+  at::Tensor local_used_;               // int32 [num params] on CPU
+  at::Tensor global_used_;              // the all-reduced copy
+  c10::intrusive_ptr<c10d::Work> local_used_work_;
+  bool have_global_used_ = false;       // global_used_ holds a reduced map
+
+  // static_graph: gradient hook calls per parameter, counted in the first
+  // iteration (a parameter used twice, or checkpointed reentrantly, fires
+  // more than once) and counted down every iteration after.
+  std::vector<int64_t> hook_calls_expected_;
+  std::vector<int64_t> hook_calls_left_;
+
+  // Comm hook (Python), or null for the built-in all-reduce.
+  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
+
+  // Zero tensors standing in for gradients of parameters unused this iteration.
+  std::vector<at::Tensor> zeros_;
+
+  // Timing.
+  int64_t num_iterations_ = 0;  // reduced iterations so far
+  std::chrono::steady_clock::time_point backward_start_;
+  IterationRecord last_record_;
+};
+
+}  // namespace pydist

@@ -1,0 +1,73 @@
+"""Per-bucket timings of one backward, as the C++ reducer recorded them,
+and the overlap they imply.
+
+All times are milliseconds since the reducer was armed for backward (the end
+of forward). A bucket's all-reduce runs from ``launch_ms`` until, at the
+latest, ``done_ms`` (when finalize saw it complete). Autograd finished at
+``backward_end_ms``; everything after it until ``finalize_end_ms`` is
+communication the backward could not hide (plus copying results back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BucketTiming:
+    index: int
+    num_params: int
+    bytes: int
+    first_grad_ms: float  # its first gradient became ready
+    last_grad_ms: float   # its last gradient became ready
+    launch_ms: float      # its collective was launched
+    done_ms: float        # finalize saw the collective complete
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    iteration: int
+    backward_end_ms: float
+    finalize_end_ms: float
+    buckets: list[BucketTiming]
+
+    @classmethod
+    def from_reducer(cls, record) -> "IterationRecord | None":
+        if record.iteration < 0:
+            return None
+        ms = lambda ns: ns / 1e6  # noqa: E731
+        return cls(
+            iteration=record.iteration,
+            backward_end_ms=ms(record.backward_end_ns),
+            finalize_end_ms=ms(record.finalize_end_ns),
+            buckets=[
+                BucketTiming(b.index, b.num_params, b.bytes, ms(b.first_grad_ns), ms(b.last_grad_ns),
+                             ms(b.launch_ns), ms(b.done_ns))
+                for b in record.buckets
+            ],
+        )
+
+    @property
+    def exposed_comm_ms(self) -> float:
+        """Time between the end of autograd and grads being ready to use."""
+        return self.finalize_end_ms - self.backward_end_ms
+
+    @property
+    def comm_in_flight_during_backward_ms(self) -> float:
+        """Sum over buckets of how long each all-reduce was in flight while
+        autograd was still computing: the communication given a chance to hide."""
+        return sum(max(0.0, self.backward_end_ms - b.launch_ms) for b in self.buckets)
+
+    def report(self) -> str:
+        lines = [
+            f"iteration {self.iteration}: backward ended at {self.backward_end_ms:.2f} ms, "
+            f"grads ready at {self.finalize_end_ms:.2f} ms (exposed communication {self.exposed_comm_ms:.2f} ms)",
+            f"{'bucket':>6} {'params':>6} {'MB':>8} {'1st grad':>9} {'last grad':>9} {'launch':>9} {'done':>9} {'hidden':>8}",
+        ]
+        for b in self.buckets:
+            hidden = max(0.0, self.backward_end_ms - b.launch_ms)
+            lines.append(
+                f"{b.index:>6} {b.num_params:>6} {b.bytes / 2**20:>8.2f} {b.first_grad_ms:>9.2f} "
+                f"{b.last_grad_ms:>9.2f} {b.launch_ms:>9.2f} {b.done_ms:>9.2f} {hidden:>8.2f}"
+            )
+        return "\n".join(lines)
