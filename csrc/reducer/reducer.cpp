@@ -139,7 +139,9 @@ bool Reducer::should_rebuild_buckets_locked() const {
 
 bool Reducer::should_rebuild_buckets() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return should_rebuild_buckets_locked() && !ready_order_.empty();
+  // Not after a backward that left buckets unreduced: prepare_for_backward
+  // reports that, naming the parameters.
+  return should_rebuild_buckets_locked() && !ready_order_.empty() && !require_finalize_;
 }
 
 std::vector<int64_t> Reducer::ready_order() const {
