@@ -1,0 +1,118 @@
+"""pydist DDP beside torch DDP: step time on 2 CPU ranks over gloo.
+
+    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json]
+
+For each model, in one run and interleaved round by round (these machines
+swing 2x between runs, so only ratios within a run mean anything):
+
+    torch      torch.nn.parallel.DistributedDataParallel step
+    pydist     pydist.DistributedDataParallel step
+    compute    the same step under no_sync (no communication at all)
+    allreduce  one flat all-reduce of all the model's gradients
+
+A step is zero_grad + forward + backward (the optimizer step is the same
+for both wrappers and left out). Medians over rounds; "exposed" is a DDP
+step minus compute: the communication (and overhead) it failed to hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from pydist.spawn import run_ranks  # noqa: E402
+
+MODELS = {
+    "8x Linear(1024,1024)+ReLU": lambda: nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())]),
+    "400x (Linear(64,64)+LayerNorm(64))": lambda: nn.Sequential(
+        *[m for _ in range(400) for m in (nn.Linear(64, 64), nn.LayerNorm(64))]
+    ),
+}
+IN_FEATURES = {"8x Linear(1024,1024)+ReLU": 1024, "400x (Linear(64,64)+LayerNorm(64))": 64}
+BATCH = 64
+
+
+def _time_steps(step, steps: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def _rank_main(rank, world_size, model_name, rounds, steps):
+    import pydist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    torch.manual_seed(0)
+    wrapped = {
+        "torch": TorchDDP(MODELS[model_name]()),
+        "pydist": pydist.DistributedDataParallel(MODELS[model_name]()),
+    }
+    x = torch.randn(BATCH, IN_FEATURES[model_name], generator=torch.Generator().manual_seed(rank))
+
+    def ddp_step(model):
+        model.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+
+    def compute_step():
+        model = wrapped["pydist"]
+        with model.no_sync():
+            ddp_step(model)
+
+    grads = torch.zeros(sum(p.numel() for p in wrapped["torch"].parameters()))
+    modes = {
+        "torch": lambda: ddp_step(wrapped["torch"]),
+        "pydist": lambda: ddp_step(wrapped["pydist"]),
+        "compute": compute_step,
+        "allreduce": lambda: dist.all_reduce(grads),
+    }
+    for step in modes.values():  # warm up; buckets get rebuilt here
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, step in modes.items():
+            times[name].append(_time_steps(step, steps))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print machine-readable results only")
+    args = parser.parse_args()
+
+    results = []
+    for name in MODELS:
+        per_rank = run_ranks(_rank_main, 2, args=(name, args.rounds, args.steps), timeout=600, threads=1)
+        med = {mode: max(r[mode] for r in per_rank) for mode in per_rank[0]}  # the slower rank sets the pace
+        results.append({"model": name, **{f"{k}_ms": v * 1e3 for k, v in med.items()}})
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"2 ranks, gloo, CPU, 1 thread/rank, batch {BATCH}; medians of {args.rounds} rounds x {args.steps} steps (ms)")
+    header = f"{'model':<36} {'torch':>8} {'pydist':>8} {'compute':>8} {'allred':>8} {'pydist/torch':>13} {'torch/(c+a)':>12} {'pydist/(c+a)':>13}"
+    print(header)
+    for r in results:
+        serial = r["compute_ms"] + r["allreduce_ms"]
+        print(
+            f"{r['model']:<36} {r['torch_ms']:>8.2f} {r['pydist_ms']:>8.2f} {r['compute_ms']:>8.2f} "
+            f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['torch_ms'] / serial:>12.3f} "
+            f"{r['pydist_ms'] / serial:>13.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
