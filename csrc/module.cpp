@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "ops/streaming_copy.h"
+
 TORCH_LIBRARY(pydist, m) {
   // See csrc/ops/flatten.h for what each op promises and requires.
   m.def("flatten(Tensor[] tensors) -> Tensor");
@@ -18,4 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  m.def("streaming_isa", &pydist::ops::streaming_isa,
+        "instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)");
 }

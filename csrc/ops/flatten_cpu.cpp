@@ -8,7 +8,11 @@
 // copies the pieces of whichever segments fall in it. A list of 2000 small
 // tensors and one huge tensor split equally well, and no thread touches a
 // cache line another writes, except at range edges.
+//
+// Large buffers are written with streaming stores; see [Note: why flatten
+// streams its stores] in streaming_copy.h.
 #include "ops/flatten.h"
+#include "ops/streaming_copy.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -89,10 +93,11 @@ void flatten_into_cpu(at::TensorList tensors, const at::Tensor& out) {
   if (total == 0) return;
   const int64_t itemsize = out.element_size();
   char* dst = static_cast<char*>(out.data_ptr());
+  const bool streaming = total * itemsize >= kStreamingMinBytes;
   SegmentPlan plan = plan_segments(tensors);
   over_elements(total, itemsize, [&](int64_t begin, int64_t end) {
     for_pieces(plan.segments, begin, end, [&](const Segment& s, int64_t first, int64_t count) {
-      std::memcpy(dst + (s.offset + first) * itemsize, s.tensor + first * itemsize, count * itemsize);
+      copy_bytes(dst + (s.offset + first) * itemsize, s.tensor + first * itemsize, count * itemsize, streaming);
     });
   });
   for (auto [index, offset] : plan.strided) {
@@ -130,9 +135,10 @@ void unflatten_into_cpu(const at::Tensor& flat, at::TensorList tensors, double s
   const char* src = static_cast<const char*>(flat.data_ptr());
   SegmentPlan plan = plan_segments(tensors);
   if (plain) {
+    const bool streaming = total * itemsize >= kStreamingMinBytes;
     over_elements(total, itemsize, [&](int64_t begin, int64_t end) {
       for_pieces(plan.segments, begin, end, [&](const Segment& s, int64_t first, int64_t count) {
-        std::memcpy(s.tensor + first * itemsize, src + (s.offset + first) * itemsize, count * itemsize);
+        copy_bytes(s.tensor + first * itemsize, src + (s.offset + first) * itemsize, count * itemsize, streaming);
       });
     });
   } else {
