@@ -116,7 +116,9 @@ def extension():
         extra_link_args=["-fopenmp"],
     )
     if with_cuda:
-        srcs += sources("csrc/**/*.cu")
+        # Files ending _selftest.cu are standalone executables (they have a
+        # main); CMakeLists.txt builds them, the extension must not link them.
+        srcs += [s for s in sources("csrc/**/*.cu") if not s.endswith("_selftest.cu")]
         return cpp_extension.CUDAExtension(
             sources=srcs,
             define_macros=[("PYDIST_WITH_CUDA", "1")],

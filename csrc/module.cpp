@@ -9,6 +9,8 @@
 
 namespace py = pybind11;
 
+#include "ops/streaming_copy.h"
+
 TORCH_LIBRARY(pydist, m) {
   // See csrc/ops/flatten.h for what each op promises and requires.
   m.def("flatten(Tensor[] tensors) -> Tensor");
@@ -71,4 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("last_record", &Reducer::last_record)
       .def("set_record_timing", &Reducer::set_record_timing)
       .def_property_readonly("num_iterations", &Reducer::num_iterations);
+
+  m.def("streaming_isa", &pydist::ops::streaming_isa,
+        "instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)");
 }

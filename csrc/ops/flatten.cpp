@@ -4,6 +4,8 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <string>
+
 namespace pydist::ops {
 namespace detail {
 
@@ -27,13 +29,25 @@ void check_flat(const char* op, const char* arg, const at::Tensor& flat,
                 at::TensorList tensors, int64_t total) {
   TORCH_CHECK(flat.dim() == 1, op, ": `", arg, "` must be 1-D, got shape ", flat.sizes());
   TORCH_CHECK(flat.is_contiguous(), op, ": `", arg, "` must be contiguous");
-  TORCH_CHECK(flat.numel() == total, op, ": `", arg, "` has ", flat.numel(),
-              " elements but the tensors hold ", total);
+  if (flat.numel() != total) {
+    // Name the tensor where the sizes stop adding up: the first to run past
+    // the end of `flat`, or the last one when `flat` has elements left over.
+    int64_t end = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      end += tensors[i].numel();
+      TORCH_CHECK(end <= flat.numel(), op, ": tensors[", i, "] (", tensors[i].numel(), " elements) ends at element ",
+                  end, ", past the ", flat.numel(), " elements of `", arg, "`; the tensors hold ", total,
+                  " elements in all");
+    }
+    TORCH_CHECK(false, op, ": `", arg, "` has ", flat.numel(), " elements but the tensors hold ", total, "; ",
+                flat.numel() - total, " elements are left over after ",
+                tensors.empty() ? std::string("the empty list") : "tensors[" + std::to_string(tensors.size() - 1) + "]");
+  }
   if (!tensors.empty()) {
     TORCH_CHECK(flat.scalar_type() == tensors[0].scalar_type(), op, ": `", arg, "` has dtype ",
-                flat.scalar_type(), " but the tensors have ", tensors[0].scalar_type());
+                flat.scalar_type(), " but the tensors (tensors[0] on) have ", tensors[0].scalar_type());
     TORCH_CHECK(flat.device() == tensors[0].device(), op, ": `", arg, "` is on ", flat.device(),
-                " but the tensors are on ", tensors[0].device());
+                " but the tensors (tensors[0] on) are on ", tensors[0].device());
   }
 }
 

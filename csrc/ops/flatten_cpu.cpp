@@ -8,7 +8,11 @@
 // copies the pieces of whichever segments fall in it. A list of 2000 small
 // tensors and one huge tensor split equally well, and no thread touches a
 // cache line another writes, except at range edges.
+//
+// Large buffers are written with streaming stores; see [Note: why flatten
+// streams its stores] in streaming_copy.h.
 #include "ops/flatten.h"
+#include "ops/streaming_copy.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -33,14 +37,17 @@ struct Segment {
   int64_t numel;
 };
 
-// Contiguous tensors become segments; strided ones are returned apart,
-// with their offsets, to be copied by ATen's strided copy.
+// Contiguous tensors become segments. Strided ones are listed apart with
+// their offsets; with `staging`, each also gets a contiguous buffer that
+// stands in for it as a segment (unflatten_into writes there, then copies it
+// into the strided tensor; see [Note: strided targets are staged]).
 struct SegmentPlan {
   std::vector<Segment> segments;
   std::vector<std::pair<size_t, int64_t>> strided;  // (index in list, offset)
+  std::vector<at::Tensor> staging;                  // per strided tensor, when staged
 };
 
-SegmentPlan plan_segments(at::TensorList tensors) {
+SegmentPlan plan_segments(at::TensorList tensors, bool stage_strided = false) {
   SegmentPlan plan;
   plan.segments.reserve(tensors.size());
   int64_t offset = 0;
@@ -51,6 +58,10 @@ SegmentPlan plan_segments(at::TensorList tensors) {
         plan.segments.push_back({static_cast<char*>(t.data_ptr()), offset, t.numel()});
       } else {
         plan.strided.emplace_back(i, offset);
+        if (stage_strided) {
+          plan.staging.push_back(at::empty({t.numel()}, t.options().memory_format(at::MemoryFormat::Contiguous)));
+          plan.segments.push_back({static_cast<char*>(plan.staging.back().data_ptr()), offset, t.numel()});
+        }
       }
     }
     offset += t.numel();
@@ -89,10 +100,11 @@ void flatten_into_cpu(at::TensorList tensors, const at::Tensor& out) {
   if (total == 0) return;
   const int64_t itemsize = out.element_size();
   char* dst = static_cast<char*>(out.data_ptr());
+  const bool streaming = total * itemsize >= kStreamingMinBytes;
   SegmentPlan plan = plan_segments(tensors);
   over_elements(total, itemsize, [&](int64_t begin, int64_t end) {
     for_pieces(plan.segments, begin, end, [&](const Segment& s, int64_t first, int64_t count) {
-      std::memcpy(dst + (s.offset + first) * itemsize, s.tensor + first * itemsize, count * itemsize);
+      copy_bytes(dst + (s.offset + first) * itemsize, s.tensor + first * itemsize, count * itemsize, streaming);
     });
   });
   for (auto [index, offset] : plan.strided) {
@@ -128,11 +140,19 @@ void unflatten_into_cpu(const at::Tensor& flat, at::TensorList tensors, double s
   if (total == 0) return;
   const int64_t itemsize = flat.element_size();
   const char* src = static_cast<const char*>(flat.data_ptr());
-  SegmentPlan plan = plan_segments(tensors);
+  // [Note: strided targets are staged]
+  // A strided target gets the same kernel as the others, into a contiguous
+  // staging buffer, then ATen's strided copy, so every element is scaled by
+  // the same arithmetic. Copying, then Tensor::mul_(Scalar) from C++, did not
+  // match: on a strided float16 tensor it came out one ulp off Python's
+  // `t.mul_(1/3)` (the reference), as if the scale were rounded to float16
+  // first (found by tests/test_ops.py).
+  SegmentPlan plan = plan_segments(tensors, /*stage_strided=*/true);
   if (plain) {
+    const bool streaming = total * itemsize >= kStreamingMinBytes;
     over_elements(total, itemsize, [&](int64_t begin, int64_t end) {
       for_pieces(plan.segments, begin, end, [&](const Segment& s, int64_t first, int64_t count) {
-        std::memcpy(s.tensor + first * itemsize, src + (s.offset + first) * itemsize, count * itemsize);
+        copy_bytes(s.tensor + first * itemsize, src + (s.offset + first) * itemsize, count * itemsize, streaming);
       });
     });
   } else {
@@ -145,11 +165,10 @@ void unflatten_into_cpu(const at::Tensor& flat, at::TensorList tensors, double s
       });
     });
   }
-  for (auto [index, offset] : plan.strided) {
-    const at::Tensor& t = tensors[index];
+  for (size_t k = 0; k < plan.strided.size(); ++k) {
+    const at::Tensor& t = tensors[plan.strided[k].first];
     at::Tensor target = t;  // a handle: writes land in the caller's tensor
-    target.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-    if (!plain) target.mul_(scale);
+    target.copy_(plan.staging[k].view(t.sizes()));
   }
 }
 
