@@ -7,3 +7,7 @@ The compiled runtime lives in ``pydist._C`` (built by ``pip install
 """
 
 __version__ = "0.1.0"
+
+from .rendezvous import init_process_group  # noqa: E402  (imports torch.distributed, never MPI)
+
+__all__ = ["init_process_group"]
