@@ -18,6 +18,7 @@ it), and MPI was initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
 import weakref
@@ -77,6 +78,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         self.size_ = size
         self.timeout_ = timeout  # bounds every MPIWork.wait
         self.thread_ = CommThread(name=f"pydist-mpi4py-{name}")  # runs the collectives, in issue order
+        self.issued_: collections.Counter[str] = collections.Counter()  # op name -> calls; tests and debugging
         _live_groups.add(self)
 
     # -- identity -------------------------------------------------------------
@@ -90,7 +92,9 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         what = f" of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} on {tensor.device}" if tensor is not None else ""
         return f"{op}{what} on rank {self.rank_} of {self.size_}"
 
-    def _issue(self, description: str, run, messages, result) -> MPIWork:
+    def _issue(self, op: str, description: str, run, messages, result) -> MPIWork:
+        self.issued_[op] += 1
+
         def body():
             run()
             for m in messages:
@@ -115,13 +119,13 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
             if divide:
                 t.div_(size)
 
-        return self._issue(where, run, [msg], tensors)
+        return self._issue("allreduce", where, run, [msg], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """Several tensors as one flat message (DDP's reducer does not use
         this; torch.distributed.all_reduce_coalesced does)."""
         if not tensors:
-            return self._issue("allreduce_coalesced of nothing", lambda: None, [], tensors)
+            return self._issue("allreduce_coalesced", "allreduce_coalesced of nothing", lambda: None, [], tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         opts1 = dist.AllreduceOptions()
@@ -135,7 +139,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-        return self._issue(self._where("allreduce_coalesced", flat), unflatten, [], tensors)
+        return self._issue("allreduce_coalesced", self._where("allreduce_coalesced", flat), unflatten, [], tensors)
 
     # -- broadcast ------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -149,7 +153,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         def run():
             comm.Bcast(msg.buffer(where), root=root)
 
-        return self._issue(where, run, [msg], tensors)
+        return self._issue("broadcast", where, run, [msg], tensors)
 
     # -- all-gather -----------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):
@@ -162,7 +166,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         def run():
             comm.Allgather(inp.buffer(where), out.buffer(where))
 
-        return self._issue(where, run, [out], [output])
+        return self._issue("all_gather_single", where, run, [out], [output])
 
     _allgather_base = all_gather_single  # the name torch <= 2.11 calls
 
@@ -182,7 +186,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
             for o, piece in zip(outputs, flat.chunk(self.size_)):
                 o.copy_(piece.view_as(o))
 
-        return self._issue(where, scatter_back, [], output_lists)
+        return self._issue("allgather", where, scatter_back, [], output_lists)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
@@ -205,7 +209,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
             if divide:
                 out.staged.div_(size)
 
-        return self._issue(where, run, [out], [output])
+        return self._issue("reduce_scatter_single", where, run, [out], [output])
 
     _reduce_scatter_base = reduce_scatter_single  # the name torch <= 2.11 calls
 
@@ -227,7 +231,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
     # -- barrier --------------------------------------------------------------
     def barrier(self, opts=None):
         comm = self.comm_
-        return self._issue(self._where("barrier"), comm.Barrier, [], [])
+        return self._issue("barrier", self._where("barrier"), comm.Barrier, [], [])
 
     # -- lifecycle ------------------------------------------------------------
     def shutdown(self) -> None:
@@ -260,7 +264,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
             for w in works:
                 w.wait()
 
-        return self._issue(f"{op} on rank {self.rank_} of {self.size_}", wait_all, [], result)
+        return self._issue(op, f"{op} on rank {self.rank_} of {self.size_}", wait_all, [], result)
 
 
 def _create(opts, backend_options=None) -> MPI4PyProcessGroup:
