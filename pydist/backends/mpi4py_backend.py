@@ -34,15 +34,15 @@ __all__ = ["MPI4PyProcessGroup", "register", "shutdown_all", "BACKEND_NAME", "AL
 BACKEND_NAME = "mpi4py"
 
 # [Note: chunked all-reduce]
-# MPICH picks its all-reduce algorithm by message size; on shared memory the
-# large-message path (reduce-scatter + all-gather through the shm queues)
-# falls to about half the bandwidth of mid-size messages (measured on the
-# 2-core VM: 5.3-5.6 GB/s at 1-8 MiB, 2.4 GB/s at 32 MiB). A message larger
-# than ALLREDUCE_CHUNK_BYTES is therefore reduced as consecutive chunks of that
-# size, each one in MPICH's fast regime, with up to ALLREDUCE_INFLIGHT
-# non-blocking chunks in flight so one chunk's copy-in overlaps another's
-# reduction. The result is bit-identical: every element is reduced by the
-# same MPI op over the same ranks, only the message boundaries move.
+# MPICH picks its all-reduce algorithm by message size, and on this 2-core VM
+# its large-message path is the slow one: issue #4 measured a bare mpi4py
+# Allreduce at 5.3-5.6 GB/s for 1-8 MiB but 2.4 GB/s at 32 MiB. A message
+# larger than ALLREDUCE_CHUNK_BYTES is therefore reduced as consecutive chunks
+# of that size, each in the mid-size regime, with up to ALLREDUCE_INFLIGHT
+# non-blocking chunks outstanding so MPI always has the next chunk to work on.
+# The result is bit-identical: every element is reduced by the same MPI op over
+# the same ranks; only the message boundaries move. The sizes were picked by
+# timing 1/2/4/8 MiB chunks with 0/2/4 in flight (benchmarks/RESULTS.md).
 ALLREDUCE_CHUNK_BYTES = 4 << 20
 ALLREDUCE_INFLIGHT = 2
 
