@@ -17,14 +17,26 @@ $(STAMP): $(SOURCES)
 	@mkdir -p build && touch $@
 
 # Everything: the spawned-process suite, then the suite launched by mpirun.
+# Every rank of the mpirun suite runs pytest; a failing rank aborts the whole
+# job (tests/mpi/conftest.py), so mpiexec exits non-zero instead of hanging.
+MPIEXEC ?= mpiexec
+MPI_RANKS ?= 2
 test: install
 	$(PYTHON) -m pytest tests
+	$(MAKE) test-mpi
+
+test-spawn: install
+	$(PYTHON) -m pytest tests
+
+test-mpi: install
+	$(MPIEXEC) -n $(MPI_RANKS) $(PYTHON) -m mpi4py -m pytest tests/mpi -p no:cacheprovider -o timeout=120
 
 demo: install
 	$(PYTHON) -m pydist.demo
 
 bench: install
 	$(PYTHON) benchmarks/bench_flatten.py
+	$(PYTHON) benchmarks/bench_collectives.py
 
 clean:
 	rm -rf build pydist/_C*.so *.egg-info

@@ -2,11 +2,13 @@
 
     from pydist import DistributedDataParallel as DDP
 
-The compiled runtime lives in ``pydist._C`` (built by ``pip install
+Start ranks with ``pydist.init_process_group()`` under any launcher (torchrun,
+mpirun, srun, SageMaker). The compiled runtime lives in ``pydist._C`` (built by ``pip install
 --no-build-isolation -e .``); the fused flatten ops are ``pydist.ops``.
 """
 
 from pydist.ddp import DistributedDataParallel
+from pydist.rendezvous import init_process_group  # imports torch.distributed, never MPI
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "init_process_group"]
 __version__ = "0.1.0"

@@ -1,0 +1,11 @@
+"""Rendezvous from any launcher: ``detect()`` reads the environment (no side
+effects), ``init_process_group()`` joins the job. See launchers.py for the
+launcher table and process_group.py for the steps."""
+
+from .launchers import LAUNCHERS, LaunchInfo, LauncherConflict, LauncherNotFound, detect, first_slurm_host
+from .process_group import InitResult, PortInUse, RendezvousTimeout, init_process_group, resolve_backend
+
+__all__ = [
+    "LAUNCHERS", "LaunchInfo", "LauncherConflict", "LauncherNotFound", "detect", "first_slurm_host",
+    "InitResult", "PortInUse", "RendezvousTimeout", "init_process_group", "resolve_backend",
+]

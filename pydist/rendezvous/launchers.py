@@ -1,0 +1,235 @@
+"""Which launcher started this process, read from its environment.
+
+    info = detect()          # LaunchInfo(launcher='openmpi', rank=1, ...)
+
+One table, one reader per launcher family, no side effects: nothing here
+imports MPI or opens a socket, so ``detect()`` is safe to call anywhere.
+
+[Note: which launcher wins]
+Launchers nest: ``srun torchrun ...`` (torchrun's workers inherit Slurm's
+variables), ``mpirun`` inside an ``sbatch`` allocation (the ranks inherit the
+batch step's ``SLURM_PROCID``), SageMaker starting ``mpirun`` (``SM_*`` names
+hosts, not processes). The innermost launcher is the one that numbered *this*
+process, so families are read in the order of ``LAUNCHERS`` below and the first
+present wins:
+
+  1. torchrun / ``torch.distributed.launch`` (``RANK``, ``WORLD_SIZE``)
+  2. the MPI launchers: Open MPI, PMIx, MPICH / Intel MPI / Hydra
+  3. Slurm ``srun``
+  4. SageMaker
+
+A family that cannot describe this process is ignored when a more specific one
+is present: Slurm and SageMaker under any other launcher, and every outer
+launcher under torchrun's elastic agent (it sets ``TORCHELASTIC_RUN_ID``).
+Every other pair of families that is present must agree on rank and world
+size; if they do not, ``detect()`` raises ``LauncherConflict`` naming the
+variables, because guessing would put two processes on the same rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Callable, Mapping, NamedTuple, Sequence
+
+__all__ = ["LaunchInfo", "LauncherNotFound", "LauncherConflict", "detect", "first_slurm_host", "LAUNCHERS"]
+
+DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT, used where a launcher names none
+
+
+class LauncherNotFound(RuntimeError):
+    """No launcher variables were found; the message lists what was looked for."""
+
+
+class LauncherConflict(ValueError):
+    """Launcher variables contradict each other; the message names them."""
+
+
+class LaunchInfo(NamedTuple):
+    """What the launcher told this process. ``None`` means "not known yet"."""
+
+    launcher: str  # family name, a key of LAUNCHERS ("torchrun", "openmpi", ...)
+    rank: int
+    world_size: int | None  # None under bare PMIx: MPI's COMM_WORLD gives it
+    local_rank: int
+    master_addr: str | None  # None under MPI: rank 0 broadcasts it
+    master_port: int | None
+    uses_mpi: bool  # True: rendezvous over mpi4py (rank 0 picks the port)
+    variables: tuple[str, ...]  # the environment variables it was read from
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        number = int(value)
+    except ValueError:
+        raise LauncherConflict(f"environment variable {name}={value!r} is not an integer") from None
+    if number < 0:
+        raise LauncherConflict(f"environment variable {name}={value!r} is negative")
+    return number
+
+
+def _legacy_local_rank(argv: Sequence[str]) -> int | None:
+    """``python -m torch.distributed.launch`` passes ``--local_rank=N`` (or
+    ``--local-rank N``) to the script instead of setting ``LOCAL_RANK``."""
+    for i, arg in enumerate(argv):
+        for flag in ("--local_rank", "--local-rank"):
+            if arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            else:
+                continue
+            try:
+                return int(value)
+            except ValueError:
+                raise LauncherConflict(f"command-line argument {flag}={value!r} is not an integer") from None
+    return None
+
+
+def _master(env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
+    return env.get("MASTER_ADDR"), port
+
+
+def _torchrun(env, argv):
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    arg_local = _legacy_local_rank(argv)
+    if "LOCAL_RANK" in env:
+        local = _int(env, "LOCAL_RANK")
+        if arg_local is not None and arg_local != local:
+            raise LauncherConflict(f"LOCAL_RANK={local} contradicts the command-line argument --local_rank={arg_local}")
+    else:
+        local = arg_local if arg_local is not None else 0
+    addr, port = _master(env)
+    missing = [n for n, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if v is None]
+    if missing:
+        raise LauncherNotFound(
+            f"RANK and WORLD_SIZE are set (torchrun-style launch) but {' and '.join(missing)} "
+            "is not: set it, or launch with torchrun, which sets all four"
+        )
+    return LaunchInfo("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), local, addr, port, False,
+                      ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _mpi(name, rank_var, size_var, local_var):
+    def read(env, argv):
+        if rank_var not in env:
+            return None
+        size = _int(env, size_var) if size_var and size_var in env else None
+        local = _int(env, local_var) if local_var and local_var in env else 0
+        used = tuple(v for v in (rank_var, size_var, local_var) if v)
+        return LaunchInfo(name, _int(env, rank_var), size, local, None, None, True, used)
+
+    return read
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm hostlist: ``"gpu[003-005,9],cpu1"`` -> ``"gpu003"``."""
+    m = re.match(r"([^,\[]*)(\[([^\]]*)\])?", nodelist.strip())
+    if not m or not (m.group(1) or m.group(3)):
+        raise LauncherConflict(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm hostlist")
+    prefix, ranges = m.group(1), m.group(3)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]  # zero padding is kept: "003"
+    return prefix + first
+
+
+def _slurm(env, argv):
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LauncherNotFound("SLURM_PROCID is set but SLURM_JOB_NODELIST is not: cannot find the first host")
+    addr = env.get("MASTER_ADDR") or first_slurm_host(nodelist)
+    # [Note: Slurm port] one port per job, so two jobs sharing a node do not collide.
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else (
+        20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else DEFAULT_PORT)
+    local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+    return LaunchInfo("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local, addr, port, False,
+                      ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST"))
+
+
+def _sagemaker(env, argv):
+    """One process per host (SageMaker's own launcher for PyTorch); a script
+    started per GPU is started by torchrun or mpirun, which come first."""
+    if "SM_HOSTS" not in env or "SM_CURRENT_HOST" not in env:
+        return None
+    try:
+        hosts = sorted(json.loads(env["SM_HOSTS"]))
+    except (ValueError, TypeError):
+        raise LauncherConflict(f"SM_HOSTS={env['SM_HOSTS']!r} is not a JSON list of host names") from None
+    current = env["SM_CURRENT_HOST"]
+    if current not in hosts:
+        raise LauncherConflict(f"SM_CURRENT_HOST={current!r} is not in SM_HOSTS={hosts}")
+    addr, port = _master(env)
+    return LaunchInfo("sagemaker", hosts.index(current), len(hosts), 0, addr or hosts[0], port or DEFAULT_PORT,
+                      False, ("SM_HOSTS", "SM_CURRENT_HOST", "SM_NUM_GPUS"))
+
+
+# name -> reader, in the order of [Note: which launcher wins].
+LAUNCHERS: dict[str, Callable[[Mapping[str, str], Sequence[str]], LaunchInfo | None]] = {
+    "torchrun": _torchrun,
+    "openmpi": _mpi("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "pmix": _mpi("pmix", "PMIX_RANK", None, None),
+    "mpich": _mpi("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    "slurm": _slurm,
+    "sagemaker": _sagemaker,
+}
+_OUTER_ONLY = {"slurm", "sagemaker"}  # describe allocations; ignored under any other launcher
+
+
+def _looked_for() -> str:
+    return (
+        "torchrun / torch.distributed.launch (RANK, WORLD_SIZE, LOCAL_RANK or --local_rank, MASTER_ADDR, "
+        "MASTER_PORT); Open MPI (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK); "
+        "PMIx (PMIX_RANK); MPICH / Intel MPI / Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID); "
+        "Slurm srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST); "
+        "SageMaker (SM_HOSTS, SM_CURRENT_HOST, SM_NUM_GPUS)"
+    )
+
+
+def detect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = None, *, required: bool = True
+           ) -> LaunchInfo | None:
+    """Say which launcher started this process, without initializing anything.
+
+    Raises ``LauncherNotFound`` (listing every variable looked for) when none
+    did and ``required`` is true, else returns None. Raises
+    ``LauncherConflict`` naming the variables that contradict each other.
+    See [Note: which launcher wins].
+    """
+    env = os.environ if env is None else env
+    argv = sys.argv[1:] if argv is None else argv
+    found = [info for info in (read(env, argv) for read in LAUNCHERS.values()) if info is not None]
+    if not found:
+        if required:
+            raise LauncherNotFound(f"no launcher environment found; looked for {_looked_for()}")
+        return None
+    primary = found[0]
+    if primary.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" in env:
+        others = []  # the elastic agent renumbers its workers
+    else:
+        others = [i for i in found[1:] if i.launcher not in _OUTER_ONLY]
+    for other in others:
+        for field in ("rank", "world_size"):
+            a, b = getattr(primary, field), getattr(other, field)
+            if a is not None and b is not None and a != b:
+                raise LauncherConflict(
+                    f"launcher variables disagree on the {field.replace('_', ' ')}: {primary.launcher} "
+                    f"({', '.join(primary.variables)}) says {a} but {other.launcher} ({', '.join(other.variables)}) "
+                    f"says {b}; unset the variables of the launcher that did not start this process"
+                )
+    if primary.world_size is None:  # PMIx alone carries no size; a sibling family may
+        sizes = [i.world_size for i in others if i.world_size is not None]
+        if sizes:
+            primary = primary._replace(world_size=sizes[0])
+    if primary.world_size is not None and primary.rank >= primary.world_size:
+        raise LauncherConflict(
+            f"{primary.launcher}: rank {primary.rank} is not below the world size {primary.world_size} "
+            f"(variables {', '.join(primary.variables)})"
+        )
+    return primary

@@ -1,0 +1,237 @@
+"""Launcher detection and init_process_group, outside MPI.
+
+Launcher environments are real input set with monkeypatch; the end-to-end
+tests start real processes (torchrun itself, or ranks given torchrun's
+variables) and check what they report, including the failures: a rank that
+never arrives, a port in use.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pydist.rendezvous import LAUNCHERS, LauncherConflict, LauncherNotFound, detect, first_slurm_host
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL_VARS = [
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+    "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID", "SM_HOSTS", "SM_CURRENT_HOST", "SM_NUM_GPUS",
+]
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    """Start from no launcher at all, then set the given variables."""
+    for name in ALL_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_env(**variables):
+        for name, value in variables.items():
+            monkeypatch.setenv(name, str(value))
+
+    return set_env
+
+
+# -- detection ---------------------------------------------------------------
+
+def test_torchrun(launcher_env):
+    launcher_env(RANK=3, WORLD_SIZE=8, LOCAL_RANK=1, MASTER_ADDR="10.0.0.5", MASTER_PORT=29400)
+    info = detect(argv=[])
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("torchrun", 3, 8, 1)
+    assert (info.master_addr, info.master_port, info.uses_mpi) == ("10.0.0.5", 29400, False)
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=2"], ["--local-rank", "2"], ["--lr", "0.1", "--local_rank", "2"]])
+def test_legacy_launch_local_rank_argument(launcher_env, argv):
+    launcher_env(RANK=2, WORLD_SIZE=4, MASTER_ADDR="h", MASTER_PORT=1234)
+    assert detect(argv=argv).local_rank == 2
+
+
+def test_openmpi(launcher_env):
+    launcher_env(OMPI_COMM_WORLD_RANK=5, OMPI_COMM_WORLD_SIZE=6, OMPI_COMM_WORLD_LOCAL_RANK=2, PMIX_RANK=5)
+    info = detect(argv=[])
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.uses_mpi) == ("openmpi", 5, 6, 2, True)
+    assert info.master_addr is None  # rank 0 broadcasts it
+
+
+def test_pmix_alone_has_no_size(launcher_env):
+    launcher_env(PMIX_RANK=1)
+    info = detect(argv=[])
+    assert (info.launcher, info.rank, info.world_size) == ("pmix", 1, None)
+
+
+def test_mpich_hydra(launcher_env):
+    launcher_env(PMI_RANK=1, PMI_SIZE=2, MPI_LOCALRANKID=1)
+    info = detect(argv=[])
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.uses_mpi) == ("mpich", 1, 2, 1, True)
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node07", "node07"), ("gpu[003-005,9],cpu1", "gpu003"), ("a[1,3]", "a1"), ("n1,n2", "n1"),
+    ("rack1-[12-14]", "rack1-12"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_slurm(launcher_env):
+    launcher_env(SLURM_PROCID=3, SLURM_NTASKS=4, SLURM_LOCALID=1, SLURM_JOB_NODELIST="gpu[010-011]", SLURM_JOB_ID=123)
+    info = detect(argv=[])
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 3, 4, 1)
+    assert (info.master_addr, info.master_port) == ("gpu010", 20123)
+
+
+def test_sagemaker(launcher_env):
+    launcher_env(SM_HOSTS='["algo-2", "algo-1"]', SM_CURRENT_HOST="algo-2", SM_NUM_GPUS=0)
+    info = detect(argv=[])
+    assert (info.launcher, info.rank, info.world_size, info.master_addr) == ("sagemaker", 1, 2, "algo-1")
+
+
+def test_inner_launcher_wins_over_allocation(launcher_env):
+    """mpirun inside sbatch: the ranks inherit the batch step's SLURM_PROCID=0."""
+    launcher_env(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_JOB_NODELIST="n1", PMI_RANK=1, PMI_SIZE=2)
+    assert detect(argv=[]).launcher == "mpich"
+
+
+def test_torchrun_agent_renumbers_outer_launcher(launcher_env):
+    """srun torchrun: Slurm numbers the agents, torchrun the workers."""
+    launcher_env(SLURM_PROCID=1, SLURM_NTASKS=2, SLURM_JOB_NODELIST="n[1-2]", OMPI_COMM_WORLD_RANK=0,
+                 RANK=5, WORLD_SIZE=8, MASTER_ADDR="n1", MASTER_PORT=29500, TORCHELASTIC_RUN_ID="job")
+    info = detect(argv=[])
+    assert (info.launcher, info.rank, info.world_size) == ("torchrun", 5, 8)
+
+
+# -- bad input -----------------------------------------------------------------
+
+def test_nothing_found_lists_what_was_looked_for(launcher_env):
+    with pytest.raises(LauncherNotFound) as err:
+        detect(argv=[])
+    for name in ["RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID", "SM_HOSTS", "--local_rank"]:
+        assert name in str(err.value)
+    assert detect(argv=[], required=False) is None
+
+
+def test_contradicting_launchers_are_named(launcher_env):
+    launcher_env(RANK=0, WORLD_SIZE=2, MASTER_ADDR="h", MASTER_PORT=1, OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2)
+    with pytest.raises(LauncherConflict, match=r"rank: torchrun \(RANK.*says 0 but openmpi \(OMPI_COMM_WORLD_RANK.*says 1"):
+        detect(argv=[])
+
+
+def test_contradicting_mpi_families(launcher_env):
+    launcher_env(OMPI_COMM_WORLD_RANK=0, OMPI_COMM_WORLD_SIZE=4, PMI_RANK=0, PMI_SIZE=2)
+    with pytest.raises(LauncherConflict, match="world size.*OMPI_COMM_WORLD_SIZE.*says 4.*PMI_SIZE.*says 2"):
+        detect(argv=[])
+
+
+def test_local_rank_env_contradicts_argument(launcher_env):
+    launcher_env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, MASTER_ADDR="h", MASTER_PORT=1)
+    with pytest.raises(LauncherConflict, match="LOCAL_RANK=1 contradicts .*--local_rank=0"):
+        detect(argv=["--local_rank=0"])
+
+
+@pytest.mark.parametrize("variables, message", [
+    (dict(RANK=4, WORLD_SIZE=4, MASTER_ADDR="h", MASTER_PORT=1), "rank 4 is not below the world size 4"),
+    (dict(RANK="one", WORLD_SIZE=4, MASTER_ADDR="h", MASTER_PORT=1), "RANK='one' is not an integer"),
+    (dict(RANK=0, WORLD_SIZE=2), "MASTER_ADDR and MASTER_PORT is not"),
+    (dict(SM_HOSTS="algo-1", SM_CURRENT_HOST="algo-1"), "SM_HOSTS='algo-1' is not a JSON list"),
+    (dict(SM_HOSTS='["a"]', SM_CURRENT_HOST="b"), "SM_CURRENT_HOST='b' is not in SM_HOSTS"),
+])
+def test_bad_variables_are_named(launcher_env, variables, message):
+    launcher_env(**variables)
+    with pytest.raises((LauncherConflict, LauncherNotFound), match=message):
+        detect(argv=[])
+
+
+def test_every_launcher_family_is_tested():
+    assert set(LAUNCHERS) == {"torchrun", "openmpi", "pmix", "mpich", "slurm", "sagemaker"}
+
+
+# -- real launches ---------------------------------------------------------------
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    import pydist
+    result = pydist.init_process_group(timeout=float(sys.argv[1]))
+    t = torch.tensor([float(result.rank + 1)])
+    dist.all_reduce(t)
+    print(json.dumps(dict(result._asdict(), total=t.item())))
+    dist.destroy_process_group()
+""")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ranks, world_size, port, timeout_s=30, extra_env=None):
+    """Start the given ranks with torchrun's variables; return (rc, stdout, stderr) per rank."""
+    procs = []
+    for rank in ranks:
+        env = {k: v for k, v in os.environ.items() if k not in ALL_VARS}
+        env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=REPO, OMP_NUM_THREADS="1", **(extra_env or {}))
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(timeout_s)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def test_two_ranks_with_torchrun_variables():
+    results = launch([0, 1], 2, free_port())
+    for rank, (rc, stdout, stderr) in enumerate(results):
+        assert rc == 0, stderr
+        got = json.loads(stdout.strip().splitlines()[-1])
+        assert got == dict(rank=rank, world_size=2, local_rank=rank, backend="gloo", launcher="torchrun", total=3.0)
+
+
+def test_real_torchrun(tmp_path):
+    """torchrun's agent hosts the store itself (TORCHELASTIC_USE_AGENT_STORE)."""
+    script = tmp_path / "rank_script.py"
+    script.write_text(RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ALL_VARS}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(script), "30"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["rank"], r["launcher"], r["total"]) for r in reports) == [(0, "torchrun", 3.0), (1, "torchrun", 3.0)]
+
+
+def test_missing_rank_times_out_naming_it():
+    (rc, _, stderr), = launch([0], 2, free_port(), timeout_s=3)
+    assert rc != 0
+    assert "RendezvousTimeout: rank 0: ranks [1] of 2 did not arrive within 3 s" in stderr
+
+
+def test_missing_rank_zero_times_out_naming_it():
+    (rc, _, stderr), = launch([1], 2, free_port(), timeout_s=3)
+    assert rc != 0
+    assert "RendezvousTimeout" in stderr and "missing ranks: [0]" in stderr
+
+
+def test_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        (rc, _, stderr), = launch([0], 1, port, timeout_s=10)
+    assert rc != 0
+    assert f"PortInUse: init_process_group under torchrun: rank 0 cannot listen on port {port}" in stderr
