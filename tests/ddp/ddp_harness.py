@@ -189,7 +189,20 @@ def probe_hook(probe: BucketProbe, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def register_hook(ddp, sc: Scenario, module):
+def bf16_compress_hook_for_torch(process_group, bucket):
+    """torch's bf16_compress_hook under another name, for torch DDP only.
+
+    Torch DDP refuses a hook *named* ``bf16_compress_hook`` unless CUDA+NCCL
+    or XPU+XCCL is there (``_check_comm_hook`` raises TypeError "BF16 all
+    reduce communication hook required CUDA 11+ and NCCL 2.10+ ..."), though
+    gloo all-reduces bf16 on CPU fine. The reference run calls the very same
+    hook through this wrapper; pydist gets the hook itself, unchanged."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def register_hook(ddp, sc: Scenario, module, impl: str):
     """Registers the scenario's comm hook; returns the probe for "probe", else None."""
     if sc.hook is None:
         return None
@@ -198,7 +211,8 @@ def register_hook(ddp, sc: Scenario, module):
     if sc.hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif sc.hook == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        hook = bf16_compress_hook_for_torch if impl == "torch" else default_hooks.bf16_compress_hook
+        ddp.register_comm_hook(None, hook)
     elif sc.hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
@@ -269,7 +283,7 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
     """One training run of `impl` on this rank; see the module docstring."""
     module = build_local_model(sc, rank)
     ddp = wrap(impl, module, sc)
-    probe = register_hook(ddp, sc, module)
+    probe = register_hook(ddp, sc, module, impl)
     opt = make_optimizer(sc.optimizer, [p for p in ddp.parameters() if p.requires_grad])
     n_steps = sc.steps + (rank if sc.join else 0)
     losses, grads, storage_groups = [], [], []
