@@ -72,6 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
       .def("last_record", &Reducer::last_record)
       .def("set_record_timing", &Reducer::set_record_timing)
+      .def("set_average_divisor", &Reducer::set_average_divisor)
       .def_property_readonly("num_iterations", &Reducer::num_iterations);
 
   m.def("streaming_isa", &pydist::ops::streaming_isa,

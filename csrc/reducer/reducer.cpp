@@ -490,6 +490,12 @@ void Reducer::set_comm_hook(pybind11::object state, pybind11::object hook) {
   comm_hook_ = std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook));
 }
 
+void Reducer::set_average_divisor(int64_t divisor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(divisor > 0, "set_average_divisor: divisor must be positive, got ", divisor);
+  average_scale_ = 1.0 / static_cast<double>(divisor);
+}
+
 int64_t Reducer::now_ns() const {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - backward_start_)
       .count();

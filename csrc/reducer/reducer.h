@@ -144,6 +144,11 @@ class Reducer {
   // Whether buckets should be rebuilt from ready_order() at the next forward.
   bool should_rebuild_buckets() const;
 
+  // Average over `divisor` ranks instead of the world size from now on.
+  // join(divide_by_initial_world_size=False) sets it every iteration to the
+  // number of ranks still training.
+  void set_average_divisor(int64_t divisor);
+
   // Records of the last reduced iteration (empty unless record_timing).
   IterationRecord last_record() const;
   void set_record_timing(bool on);

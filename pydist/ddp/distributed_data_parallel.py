@@ -137,6 +137,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         # static_graph: the first backward is reduced all at once at its end;
         # this flag records that the callback doing it has been queued.
         self._static_graph_delay_enqueued = False
+        # join(divide_by_initial_world_size=...): average over the world size
+        # (True, torch's default) or over the ranks not yet joined.
+        self._divide_by_initial_world_size = True
+        self._averaging_over_active_ranks = False
 
     # --- forward ------------------------------------------------------------
 
@@ -147,7 +151,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self._post_forward(output)
 
     def _pre_forward(self, *inputs, **kwargs):
-        Join.notify_join_context(self)
+        work = Join.notify_join_context(self)
+        if work is not None and not self._divide_by_initial_world_size:
+            # Average over the ranks still training: the join context's
+            # all-reduce of ones counts them.
+            work.wait()
+            self.reducer.set_average_divisor(int(work.result()[0].item()))
+            self._averaging_over_active_ranks = True
+        elif self._averaging_over_active_ranks:  # the join context has closed
+            self.reducer.set_average_divisor(dist.get_world_size(self.process_group))
+            self._averaging_over_active_ranks = False
         if torch.is_grad_enabled():
             self._maybe_rebuild_buckets()
         if self._will_sync_buffers():
@@ -239,8 +252,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     def join_hook(self, **kwargs) -> JoinHook:
-        if not kwargs.get("divide_by_initial_world_size", True):
-            raise NotImplementedError("join(divide_by_initial_world_size=False) is not implemented by pydist")
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        if self._divide_by_initial_world_size:
+            self.reducer.set_average_divisor(dist.get_world_size(self.process_group))
         return _DDPJoinHook(self)
 
     @property
