@@ -79,6 +79,7 @@ class Scenario:
     branch_schedule: bool = False  # `branch` model: skip the branch on some ranks/steps (see use_branch)
     join: str | None = None  # None, "context", "context_nodiv" or "method"; ranks get uneven batches
     integer_data: bool = False  # integer-valued inputs and a linear loss: exact integer gradients
+    grads_to_none: bool = True  # optimizer.zero_grad(set_to_none=...) after every step
 
 
 class BucketRecord(NamedTuple):
@@ -306,7 +307,7 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
                 grads.append(_snapshot_grads(module))
                 storage_groups = _grad_storage_groups(module)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=sc.grads_to_none)
     result = RunResult(
         losses=losses,
         grads=grads,

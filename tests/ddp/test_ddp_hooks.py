@@ -69,8 +69,8 @@ def _check_grad_bucket_interface(buckets, where):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_bucket_layout_matches_torch(world_size):
+def test_bucket_layout_matches_torch():
+    world_size = 2  # the layout does not depend on it; 4 ranks: test_mlp_several_small_bucket_caps
     scenarios = [
         Scenario(hook="probe", steps=3),
         Scenario(hook="probe", steps=3, ddp_kwargs={"bucket_cap_mb": 0.0005}),
@@ -84,13 +84,11 @@ def test_bucket_layout_matches_torch(world_size):
             ddp_kwargs={"bucket_cap_mb": 0.0005, "find_unused_parameters": True},
         ),
     ]
-    if world_size == 4:
-        scenarios = scenarios[1:2]
     results = run_parity(scenarios, world_size)
     for rank, per_rank in enumerate(results):
         for i, per_impl in enumerate(per_rank):
             ref, got = per_impl["torch"].buckets, per_impl["pydist"].buckets
-            trainable = {n for n, g in per_impl["torch"].grads[-1].items()} - {"frozen.weight", "frozen.bias"}
+            trainable = set(per_impl["torch"].params)  # no frozen model here: all are bucketed
             assert len(got) == len(ref), f"rank {rank} scenario {i}: hooks ran in {len(got)} backwards"
             for step, (rb, gb) in enumerate(zip(ref, got)):
                 where = f"rank {rank} scenario {scenarios[i]} backward {step}"
