@@ -27,7 +27,8 @@ LEAKY_SCRIPT = textwrap.dedent("""
     dist.all_reduce(t)
     dist.all_reduce(t, group=extra)
     assert t.tolist() == [4.0] * 4, t
-    print("done", result.rank, flush=True)
+    if result.rank == 0:  # one printer: the ranks' stdout would interleave
+        print("done on", result.world_size, "ranks", flush=True)
     # no destroy_process_group: see [Note: exit cleanly under mpiexec]
 """)
 
@@ -40,9 +41,11 @@ def mpiexec(args, timeout):
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_script_without_destroy_exits_zero(backend):
-    done = mpiexec(["-c", LEAKY_SCRIPT, backend], timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert sorted(done.stdout.split("\n")[:2]) == ["done 0", "done 1"]
+    """Three times: without the exit hook the abort hit about one run in five."""
+    for attempt in range(3):
+        done = mpiexec(["-c", LEAKY_SCRIPT, backend], timeout=120)
+        assert done.returncode == 0, f"attempt {attempt}:\n{done.stdout}{done.stderr}"
+        assert "done on 2 ranks" in done.stdout
 
 
 def test_failing_rank_aborts_the_mpirun_suite():
