@@ -235,3 +235,19 @@ def test_port_in_use_is_a_clear_error():
         (rc, _, stderr), = launch([0], 1, port, timeout_s=10)
     assert rc != 0
     assert f"PortInUse: init_process_group under torchrun: rank 0 cannot listen on port {port}" in stderr
+
+
+def test_init_method_without_launcher(tmp_path):
+    """No launcher variables, a file:// URL with rank and size in its query."""
+    env = {k: v for k, v in os.environ.items() if k not in ALL_VARS}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    code = textwrap.dedent(f"""
+        import json, pydist, torch.distributed as dist
+        result = pydist.init_process_group(init_method="file://{tmp_path}/store?rank=0&world_size=1", timeout=30)
+        print(json.dumps(result._asdict()))
+        dist.destroy_process_group()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == dict(rank=0, world_size=1, local_rank=0, backend="gloo",
+                                                            launcher="init_method")

@@ -180,6 +180,9 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
     info = detect(required=init_method is None)
     backend = resolve_backend(backend)
     timeout = _timeout(timeout)
+    local_rank = info.local_rank if info else 0
+    if torch.cuda.is_available():  # before the group exists, so NCCL binds to this device
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if init_method is not None:
         rank = info.rank if info else -1
         size = info.world_size if info and info.world_size is not None else -1
@@ -193,9 +196,6 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
         store = dist.PrefixStore(f"pydist/{restart}/{next(_attempts)}", store)
         wait_for_ranks(store, rank, size, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    local_rank = info.local_rank if info else 0
-    if torch.cuda.is_available() and backend in ("nccl", "mpi4py", "mpi"):
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     _destroy_at_exit()
     return InitResult(dist.get_rank(), dist.get_world_size(), local_rank, backend,
                       info.launcher if info else "init_method")
