@@ -82,7 +82,7 @@ def mpi_op(op, dtype: torch.dtype, where: str):
 
 
 class Message:
-    """One tensor as MPI sees it. Built on the calling thread (``prepare``),
+    """One tensor as MPI sees it. Built on the calling thread (at issue time),
     used and written back on the MPI thread (``buffer`` / ``finish``).
     See [Note: zero copy, CUDA-aware, or staged]."""
 
