@@ -251,3 +251,13 @@ def test_init_method_without_launcher(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == dict(rank=0, world_size=1, local_rank=0, backend="gloo",
                                                             launcher="init_method")
+
+
+def test_importing_pydist_does_not_start_mpi():
+    """Only backend="mpi" or an MPI launcher imports mpi4py (which initializes MPI)."""
+    code = "import sys, pydist; pydist.rendezvous.detect(required=False); print('mpi4py' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k not in ALL_VARS}
+    env.update(PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
