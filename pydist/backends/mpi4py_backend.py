@@ -42,7 +42,7 @@ BACKEND_NAME = "mpi4py"
 # non-blocking chunks outstanding so MPI always has the next chunk to work on.
 # The result is bit-identical: every element is reduced by the same MPI op over
 # the same ranks; only the message boundaries move. The sizes were picked by
-# timing 1/2/4/8 MiB chunks with 0/2/4 in flight (benchmarks/RESULTS.md).
+# timing 1-8 MiB chunks, blocking or with 2-4 in flight (benchmarks/RESULTS.md).
 ALLREDUCE_CHUNK_BYTES = 4 << 20
 ALLREDUCE_INFLIGHT = 2
 
