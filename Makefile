@@ -21,15 +21,16 @@ $(STAMP): $(SOURCES)
 # job (tests/mpi/conftest.py), so mpiexec exits non-zero instead of hanging.
 MPIEXEC ?= mpiexec
 MPI_RANKS ?= 2
+MPI_TESTS = $(MPIEXEC) -n $(MPI_RANKS) $(PYTHON) -m mpi4py -m pytest tests/mpi -p no:cacheprovider -o timeout=120
 test: install
 	$(PYTHON) -m pytest tests
-	$(MAKE) test-mpi
+	$(MPI_TESTS)
 
 test-spawn: install
 	$(PYTHON) -m pytest tests
 
 test-mpi: install
-	$(MPIEXEC) -n $(MPI_RANKS) $(PYTHON) -m mpi4py -m pytest tests/mpi -p no:cacheprovider -o timeout=120
+	$(MPI_TESTS)
 
 demo: install
 	$(PYTHON) -m pydist.demo

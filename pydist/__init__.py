@@ -2,9 +2,11 @@
 
     from pydist import DistributedDataParallel as DDP
 
-Start ranks with ``pydist.init_process_group()`` under any launcher (torchrun,
-mpirun, srun, SageMaker). The compiled runtime lives in ``pydist._C`` (built by ``pip install
---no-build-isolation -e .``); the fused flatten ops are ``pydist.ops``.
+``pydist.init_process_group()`` joins a job under any launcher (torchrun,
+mpirun, srun, SageMaker; ``pydist.rendezvous``), with an MPI backend over
+mpi4py (``pydist.backends.mpi4py_backend``). The compiled runtime lives in
+``pydist._C`` (built by ``pip install --no-build-isolation -e .``); the fused
+flatten ops are ``pydist.ops``.
 """
 
 from pydist.ddp import DistributedDataParallel

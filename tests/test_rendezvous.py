@@ -8,6 +8,7 @@ never arrives, a port in use.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -211,7 +212,8 @@ def test_real_torchrun(tmp_path):
            str(script), "30"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # Both workers share torchrun's stdout, so their lines can run together.
+    reports = [json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", done.stdout)]
     assert sorted((r["rank"], r["launcher"], r["total"]) for r in reports) == [(0, "torchrun", 3.0), (1, "torchrun", 3.0)]
 
 
@@ -235,3 +237,29 @@ def test_port_in_use_is_a_clear_error():
         (rc, _, stderr), = launch([0], 1, port, timeout_s=10)
     assert rc != 0
     assert f"PortInUse: init_process_group under torchrun: rank 0 cannot listen on port {port}" in stderr
+
+
+def test_init_method_without_launcher(tmp_path):
+    """No launcher variables, a file:// URL with rank and size in its query."""
+    env = {k: v for k, v in os.environ.items() if k not in ALL_VARS}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    code = textwrap.dedent(f"""
+        import json, pydist, torch.distributed as dist
+        result = pydist.init_process_group(init_method="file://{tmp_path}/store?rank=0&world_size=1", timeout=30)
+        print(json.dumps(result._asdict()))
+        dist.destroy_process_group()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == dict(rank=0, world_size=1, local_rank=0, backend="gloo",
+                                                            launcher="init_method")
+
+
+def test_importing_pydist_does_not_start_mpi():
+    """Only backend="mpi" or an MPI launcher imports mpi4py (which initializes MPI)."""
+    code = "import sys, pydist; pydist.rendezvous.detect(required=False); print('mpi4py' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k not in ALL_VARS}
+    env.update(PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -42,7 +42,7 @@ BACKEND_NAME = "mpi4py"
 # non-blocking chunks outstanding so MPI always has the next chunk to work on.
 # The result is bit-identical: every element is reduced by the same MPI op over
 # the same ranks; only the message boundaries move. The sizes were picked by
-# timing 1/2/4/8 MiB chunks with 0/2/4 in flight (benchmarks/RESULTS.md).
+# timing 1-8 MiB chunks, blocking or with 2-4 in flight (benchmarks/RESULTS.md).
 ALLREDUCE_CHUNK_BYTES = 4 << 20
 ALLREDUCE_INFLIGHT = 2
 
@@ -133,13 +133,12 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         inner = self.allreduce([flat], opts1)
 
         def unflatten():
-            inner.wait()
             offset = 0
             for t in tensors:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-        return self._issue("allreduce_coalesced", self._where("allreduce_coalesced", flat), unflatten, [], tensors)
+        return self._then("allreduce_coalesced", [inner], tensors, unflatten)
 
     # -- broadcast ------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -182,15 +181,14 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         inner = self.all_gather_single(flat, input.contiguous())
 
         def scatter_back():
-            inner.wait()
             for o, piece in zip(outputs, flat.chunk(self.size_)):
                 o.copy_(piece.view_as(o))
 
-        return self._issue("allgather", where, scatter_back, [], output_lists)
+        return self._then("allgather", [inner], output_lists, scatter_back)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
-        return self._after(works, "all_gather_into_tensor_coalesced", outputs)
+        return self._then("all_gather_into_tensor_coalesced", works, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -224,7 +222,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._after(works, "reduce_scatter_tensor_coalesced", outputs)
+        return self._then("reduce_scatter_tensor_coalesced", works, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -259,12 +257,17 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         if tensor.numel() != numel or tensor.dtype != dtype:
             raise ValueError(f"{where}: expected a {dtype} tensor of {numel} elements, got {tensor.dtype} of {tensor.numel()}")
 
-    def _after(self, works, op: str, result) -> MPIWork:
-        def wait_all():
+    def _then(self, op: str, works, result, then=lambda: None) -> MPIWork:
+        """A work that completes after ``works`` (already queued, so already run
+        when the MPI thread reaches this one) and then runs ``then``: how ops
+        built from other ops (coalesced, list outputs) report one result."""
+
+        def run():
             for w in works:
                 w.wait()
+            then()
 
-        return self._issue(op, f"{op} on rank {self.rank_} of {self.size_}", wait_all, [], result)
+        return self._issue(op, f"{op} on rank {self.rank_} of {self.size_}", run, [], result)
 
 
 def _create(opts, backend_options=None) -> MPI4PyProcessGroup:

@@ -7,8 +7,7 @@
   that only move bytes (broadcast, all-gather) send their bytes as-is; the
   reductions run on a float32 copy, converted back after (exact for values a
   half type can hold, like every other backend that upcasts).
-* CUDA tensor, MPI is CUDA-aware (``MPIX_Query_cuda_support`` or
-  ``PYDIST_MPI_CUDA_AWARE=1``): the tensor itself is the buffer (mpi4py reads
+* CUDA tensor, MPI is CUDA-aware (see ``cuda_aware``): the tensor itself is the buffer (mpi4py reads
   its ``__dlpack__`` / ``__cuda_array_interface__``); the caller's stream is
   synchronized first so MPI reads finished data.
 * CUDA tensor, MPI is not CUDA-aware: copied to host memory at issue time
@@ -20,6 +19,7 @@ A non-contiguous tensor gets a contiguous copy the same way, copied back after.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -31,11 +31,17 @@ __all__ = ["Message", "mpi_op", "mpi_datatype", "cuda_aware"]
 
 @functools.cache
 def cuda_aware() -> bool:
+    """Whether MPI accepts CUDA pointers. ``PYDIST_MPI_CUDA_AWARE=0/1`` decides
+    if set; otherwise ``MPIX_Query_cuda_support`` (an extension of Open MPI and
+    MPICH >= 4; mpi4py does not wrap it, so it is looked up in the MPI library
+    mpi4py is linked to) and False where the library has no such function."""
     from mpi4py import MPI
 
     if os.environ.get("PYDIST_MPI_CUDA_AWARE") is not None:
         return os.environ["PYDIST_MPI_CUDA_AWARE"] == "1"
-    query = getattr(MPI, "Query_cuda_support", None)
+    query = getattr(MPI, "Query_cuda_support", None)  # should a later mpi4py wrap it
+    if query is None:
+        query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support", None)
     return bool(query()) if query is not None else False
 
 
@@ -76,7 +82,7 @@ def mpi_op(op, dtype: torch.dtype, where: str):
 
 
 class Message:
-    """One tensor as MPI sees it. Built on the calling thread (``prepare``),
+    """One tensor as MPI sees it. Built on the calling thread (at issue time),
     used and written back on the MPI thread (``buffer`` / ``finish``).
     See [Note: zero copy, CUDA-aware, or staged]."""
 

@@ -180,6 +180,9 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
     info = detect(required=init_method is None)
     backend = resolve_backend(backend)
     timeout = _timeout(timeout)
+    local_rank = info.local_rank if info else 0
+    if torch.cuda.is_available():  # before the group exists, so NCCL binds to this device
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if init_method is not None:
         rank = info.rank if info else -1
         size = info.world_size if info and info.world_size is not None else -1
@@ -193,9 +196,6 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
         store = dist.PrefixStore(f"pydist/{restart}/{next(_attempts)}", store)
         wait_for_ranks(store, rank, size, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    local_rank = info.local_rank if info else 0
-    if torch.cuda.is_available() and backend in ("nccl", "mpi4py", "mpi"):
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     _destroy_at_exit()
     return InitResult(dist.get_rank(), dist.get_world_size(), local_rank, backend,
                       info.launcher if info else "init_method")
@@ -209,12 +209,20 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
 
 # [Note: exit cleanly under mpiexec]
 # A script that never calls destroy_process_group leaves its groups to be torn
-# down by interpreter shutdown, after mpi4py has finalized MPI: a gloo group
-# then closes sockets peers are still using, and an mpi4py group frees its
-# communicator and stops its MPI thread after MPI_Finalize, which aborts the
-# process. atexit runs handlers last-registered-first, and this one is
-# registered after mpi4py was imported (mpi4py's own finalizer runs after all
-# atexit handlers), so the groups are destroyed while MPI is still alive.
+# down during interpreter shutdown. Seen under mpiexec (backtrace in gdb): a
+# gloo worker thread ("pt_gloo_runloop") frees its last finished work object
+# *after* the caller saw it complete; freeing it drops Python tensors, which
+# needs the GIL; if the interpreter is finalizing by then, CPython ends the
+# thread with a forced unwind through a noexcept destructor, and
+# std::terminate aborts the process ("terminate called without an active
+# exception"), so mpiexec reports a failed job although the script succeeded.
+# destroy_process_group alone does not help while the script still holds a
+# group: gloo stops its threads only when the group object dies. So at exit,
+# while Python is still fully alive: destroy every group (this also stops the
+# mpi4py backend's MPI threads before mpi4py finalizes MPI, which runs after
+# all atexit handlers), then release the GIL for EXIT_GRACE_S so the worker
+# threads can drop what they hold.
+EXIT_GRACE_S = 0.1
 _registered = False
 
 
@@ -231,3 +239,4 @@ def _destroy_all() -> None:
     backend_module = sys.modules.get("pydist.backends.mpi4py_backend")
     if backend_module is not None:  # stop MPI threads of groups never destroyed
         backend_module.shutdown_all()
+    time.sleep(EXIT_GRACE_S)  # See [Note: exit cleanly under mpiexec]

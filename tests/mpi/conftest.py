@@ -18,11 +18,14 @@ per-test timeout backs both up.
 """
 
 import datetime
+import os
 import sys
+import time
 
 import pytest
 
 TIMEOUT_S = 60  # process-group timeout: a collective whose peer is gone fails after this
+ABORT_DELAY_S = 0.5  # pause between printing a failure and MPI_Abort
 
 
 def pytest_configure(config):
@@ -37,9 +40,15 @@ def pytest_runtest_logreport(report):
         from mpi4py import MPI
 
         rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"\n[rank {rank}] {report.nodeid} failed in {report.when}:\n{report.longreprtext}\n"
-                         f"[rank {rank}] aborting the MPI job so the other ranks do not wait forever\n")
+        text = (f"\n[rank {rank}] {report.nodeid} failed in {report.when}:\n{report.longreprtext}\n"
+                f"[rank {rank}] aborting the MPI job so the other ranks do not wait forever\n")
+        sys.stderr.write(text)
         sys.stderr.flush()
+        log = os.environ.get("PYDIST_MPI_FAILURE_LOG")  # the launcher may drop output in flight at abort
+        if log:
+            with open(f"{log}.rank{rank}", "a") as f:
+                f.write(text)
+        time.sleep(ABORT_DELAY_S)  # let the launcher forward the report before it kills everything
         MPI.COMM_WORLD.Abort(1)
 
 

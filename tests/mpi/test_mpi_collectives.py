@@ -171,3 +171,28 @@ def test_cuda_all_reduce(world):
     t = contribution(world.rank, 1 << 20, torch.float32).to(dev)
     dist.all_reduce(t)
     exact(t.cpu(), sum(contribution(r, 1 << 20, torch.float32) for r in range(world.world_size)))
+
+
+def test_cuda_awareness_is_queried_from_the_mpi_library(world):
+    """MPICH from PyPI is built without CUDA: the query must answer False, and
+    CUDA tensors would then be staged through host memory."""
+    from pydist.backends.mpi_buffers import cuda_aware
+
+    from mpi4py import MPI
+
+    assert isinstance(cuda_aware(), bool)
+    if MPI.Get_library_version().startswith("MPICH") and not torch.cuda.is_available():
+        assert cuda_aware() is False
+
+
+@pytest.mark.parametrize("reduce", [True, False], ids=["typed", "bytes"])
+def test_cpu_tensors_reach_mpi_without_a_copy(world, reduce):
+    """The buffer handed to mpi4py is a view of the tensor's own memory."""
+    from pydist.backends.mpi_buffers import Message
+
+    t = torch.arange(10, dtype=torch.float32)
+    msg = Message(t, reduce=reduce)
+    data, _ = msg.buffer("test")
+    assert not msg.copied
+    assert data.__array_interface__["data"][0] == t.data_ptr()
+    assert data.nbytes == t.numel() * t.element_size()
