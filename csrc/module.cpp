@@ -48,18 +48,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets, c10::intrusive_ptr<c10d::ProcessGroup> pg,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool record_timing) {
+                       bool record_timing, int64_t chunk_bytes) {
              pydist::ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
              options.record_timing = record_timing;
+             options.chunk_bytes = chunk_bytes;
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
                                               std::move(pg), options);
            }),
            py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
-           py::arg("static_graph") = false, py::arg("record_timing") = false)
+           py::arg("static_graph") = false, py::arg("record_timing") = false,
+           py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes)
       .def("initialize_buckets", &Reducer::initialize_buckets, nogil)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, nogil)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, nogil)

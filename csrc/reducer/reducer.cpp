@@ -128,8 +128,32 @@ void Reducer::initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket
     bucket.record.index = static_cast<int64_t>(b);
     bucket.record.num_params = static_cast<int64_t>(bucket.param_indices.size());
     bucket.record.bytes = static_cast<int64_t>(offset) * bucket.buffer.element_size();
-    bucket.pending = bucket.param_indices.size();
+    split_into_chunks(bucket);
     buckets_.push_back(std::move(bucket));
+  }
+}
+
+void Reducer::split_into_chunks(Bucket& bucket) const {
+  // Whole buckets for a comm hook (it owns the bucket) or when chunking is
+  // off; otherwise cut after the parameter that brings a chunk to chunk_bytes.
+  // See [Note: chunked launches].
+  const int64_t itemsize = bucket.buffer.element_size();
+  const bool whole = comm_hook_ != nullptr || options_.chunk_bytes <= 0;
+  bucket.chunks.clear();
+  bucket.chunk_of_slot.assign(bucket.param_indices.size(), 0);
+  Chunk chunk;
+  for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
+    bucket.chunk_of_slot[slot] = bucket.chunks.size();
+    chunk.numel += static_cast<int64_t>(bucket.lengths[slot]);
+    const bool last = slot + 1 == bucket.param_indices.size();
+    if (last || (!whole && chunk.numel * itemsize >= options_.chunk_bytes)) {
+      chunk.end_slot = slot + 1;
+      chunk.pending = chunk.end_slot - chunk.first_slot;
+      bucket.chunks.push_back(chunk);
+      chunk = Chunk{};
+      chunk.first_slot = slot + 1;
+      chunk.offset = static_cast<int64_t>(bucket.offsets[slot] + bucket.lengths[slot]);
+    }
   }
 }
 
@@ -211,8 +235,11 @@ void Reducer::reset_for_backward() {
   marked_unused_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
   for (Bucket& bucket : buckets_) {
-    bucket.pending = bucket.param_indices.size();
-    bucket.work.reset();
+    bucket.next_chunk = 0;
+    for (Chunk& chunk : bucket.chunks) {
+      chunk.pending = chunk.end_slot - chunk.first_slot;
+      chunk.work.reset();
+    }
     bucket.future.reset();
     bucket.record.first_grad_ns = bucket.record.last_grad_ns = -1;
     bucket.record.launch_ns = bucket.record.done_ns = -1;
@@ -263,7 +290,7 @@ void Reducer::mark_param_ready(int64_t index) {
     if (bucket.record.first_grad_ns < 0) bucket.record.first_grad_ns = t;
     bucket.record.last_grad_ns = t;
   }
-  if (--bucket.pending == 0) mark_bucket_ready(where.bucket);
+  if (--bucket.chunks[bucket.chunk_of_slot[where.slot]].pending == 0) launch_ready_chunks();
   if (next_bucket_ == buckets_.size()) {
     // Every bucket is in flight: the used-map reduction goes last (the same
     // order on every rank), then finalize once autograd is done.
@@ -275,12 +302,18 @@ void Reducer::mark_param_ready(int64_t index) {
   }
 }
 
-void Reducer::mark_bucket_ready(size_t bucket_index) {
-  // Buckets launch in order, so every rank issues the same collectives in the
-  // same sequence; a bucket completing early waits for those before it.
-  if (bucket_index > next_bucket_) return;
-  for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0; ++next_bucket_) {
-    launch_bucket(buckets_[next_bucket_], next_bucket_);
+void Reducer::launch_ready_chunks() {
+  // Chunks launch in one global order (bucket by bucket, chunk by chunk), so
+  // every rank issues the same collectives in the same sequence; a chunk
+  // completing early waits for those before it.
+  while (next_bucket_ < buckets_.size()) {
+    Bucket& bucket = buckets_[next_bucket_];
+    while (bucket.next_chunk < bucket.chunks.size() && bucket.chunks[bucket.next_chunk].pending == 0) {
+      launch_chunk(bucket, next_bucket_, bucket.chunks[bucket.next_chunk]);
+      ++bucket.next_chunk;
+    }
+    if (bucket.next_chunk < bucket.chunks.size()) return;
+    ++next_bucket_;
   }
 }
 
@@ -291,12 +324,12 @@ at::Tensor& Reducer::zeros_for(int64_t index) {
   return zeros_[index];
 }
 
-void Reducer::launch_bucket(Bucket& bucket, size_t bucket_index) {
-  const size_t n = bucket.param_indices.size();
+void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
+  at::Tensor piece = bucket.buffer.narrow(0, chunk.offset, chunk.numel);
   if (options_.gradient_as_bucket_view) {
     // Gradients accumulate straight into the bucket once they are its views;
     // one that is not yet (first iteration, or set to None) moves in now.
-    for (size_t slot = 0; slot < n; ++slot) {
+    for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
       at::Tensor& grad = params_[bucket.param_indices[slot]].mutable_grad();
       if (!grad.defined()) {
         bucket.views[slot].zero_();
@@ -305,30 +338,30 @@ void Reducer::launch_bucket(Bucket& bucket, size_t bucket_index) {
         grad = bucket.views[slot];
       }
     }
-    if (!comm_hook_) bucket.buffer.mul_(average_scale_);  // see [Note: averaging]
+    if (!comm_hook_) piece.mul_(average_scale_);  // see [Note: averaging]
   } else {
     std::vector<at::Tensor> grads;
-    grads.reserve(n);
-    for (size_t slot = 0; slot < n; ++slot) {
+    grads.reserve(chunk.end_slot - chunk.first_slot);
+    for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
       const int64_t i = bucket.param_indices[slot];
       const at::Tensor& grad = params_[i].grad();
       grads.push_back(grad.defined() ? grad : zeros_for(i));
     }
-    ops::flatten_into(grads, bucket.buffer);
+    ops::flatten_into(grads, piece);
   }
 
-  if (comm_hook_) {
+  if (comm_hook_) {  // a hook's bucket is one chunk: see split_into_chunks
     std::vector<at::Tensor> bucket_params;
-    bucket_params.reserve(n);
+    bucket_params.reserve(bucket.param_indices.size());
     for (int64_t i : bucket.param_indices) bucket_params.push_back(params_[i]);
     c10d::GradBucket grad_bucket(bucket_index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.lengths,
                                  bucket.sizes, std::move(bucket_params), std::nullopt);
     bucket.future = comm_hook_->runHook(grad_bucket);
   } else {
-    std::vector<at::Tensor> tensors{bucket.buffer};
-    bucket.work = process_group_->allreduce(tensors);
+    std::vector<at::Tensor> tensors{piece};
+    chunk.work = process_group_->allreduce(tensors);
   }
-  if (options_.record_timing) bucket.record.launch_ns = now_ns();
+  if (options_.record_timing && bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
 }
 
 void Reducer::launch_local_used_allreduce() {
@@ -350,8 +383,10 @@ void Reducer::delay_all_reduce() {
   }
   std::fill(ready_.begin(), ready_.end(), true);
   require_finalize_ = true;
-  for (Bucket& bucket : buckets_) bucket.pending = 0;
-  mark_bucket_ready(0);
+  for (Bucket& bucket : buckets_) {
+    for (Chunk& chunk : bucket.chunks) chunk.pending = 0;
+  }
+  launch_ready_chunks();
   finalize_backward();
 }
 
@@ -371,15 +406,22 @@ void Reducer::finalize_backward() {
     local_used_work_.reset();
     have_global_used_ = true;
   }
+  // Chunk by chunk: results of early chunks are written back while later
+  // ones are still on the wire.
   for (Bucket& bucket : buckets_) {
-    if (bucket.work) {
-      bucket.work->wait();
-    } else {
+    at::Tensor result = bucket.buffer;
+    if (comm_hook_) {
       bucket.future->wait();
       if (bucket.future->hasError()) std::rethrow_exception(bucket.future->exception_ptr());
+      result = comm_hook_->parseHookResult(bucket.future->value()).view(-1);
+      TORCH_CHECK(result.numel() == bucket.buffer.numel(), "comm hook returned a tensor of ", result.numel(),
+                  " elements for bucket ", bucket.record.index, " of ", bucket.buffer.numel());
+    }
+    for (const Chunk& chunk : bucket.chunks) {
+      if (chunk.work) chunk.work->wait();
+      finalize_chunk(bucket, chunk, result);
     }
     if (timing) bucket.record.done_ns = now_ns();
-    finalize_bucket(bucket);
   }
   if (dynamic_find_unused()) local_used_.zero_();
   if (options_.static_graph && num_iterations_ > 0 && should_rebuild_buckets_locked()) {
@@ -394,17 +436,14 @@ void Reducer::finalize_backward() {
   ++num_iterations_;
 }
 
-void Reducer::finalize_bucket(Bucket& bucket) {
-  at::Tensor result = bucket.buffer;
-  if (comm_hook_) {
-    result = comm_hook_->parseHookResult(bucket.future->value());
-    TORCH_CHECK(result.numel() == bucket.buffer.numel(), "comm hook returned a tensor of ", result.numel(),
-                " elements for bucket ", bucket.record.index, " of ", bucket.buffer.numel());
-  }
-  const size_t n = bucket.param_indices.size();
+void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tensor& result) {
+  // `result` is the reduced bucket (the bucket's own buffer, or what a comm
+  // hook returned); this writes back the slots of one chunk.
   if (options_.gradient_as_bucket_view) {
-    if (!result.is_alias_of(bucket.buffer)) bucket.buffer.copy_(result.view(-1));
-    for (size_t slot = 0; slot < n; ++slot) {
+    if (!result.is_alias_of(bucket.buffer)) {
+      bucket.buffer.narrow(0, chunk.offset, chunk.numel).copy_(result.narrow(0, chunk.offset, chunk.numel));
+    }
+    for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
       const int64_t i = bucket.param_indices[slot];
       if (globally_unused(i)) continue;  // its .grad stays as it was, like torch
       at::Tensor& grad = params_[i].mutable_grad();
@@ -420,9 +459,9 @@ void Reducer::finalize_bucket(Bucket& bucket) {
   // Copy back, averaging on the way (see [Note: averaging]).
   const double scale = comm_hook_ ? 1.0 : average_scale_;
   std::vector<at::Tensor> grads;
-  grads.reserve(n);
+  grads.reserve(chunk.end_slot - chunk.first_slot);
   bool all_slots = true;
-  for (size_t slot = 0; slot < n; ++slot) {
+  for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
     const int64_t i = bucket.param_indices[slot];
     if (globally_unused(i)) {
       all_slots = false;
@@ -432,16 +471,15 @@ void Reducer::finalize_bucket(Bucket& bucket) {
     if (!grad.defined()) grad = at::empty_like(params_[i]);  // used elsewhere, not here
     grads.push_back(grad);
   }
-  at::Tensor flat = result.view(-1);
   if (all_slots) {
-    ops::unflatten_into(flat, grads, scale);
+    ops::unflatten_into(result.narrow(0, chunk.offset, chunk.numel), grads, scale);
     return;
   }
   size_t next = 0;
-  for (size_t slot = 0; slot < n; ++slot) {
+  for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
     if (globally_unused(bucket.param_indices[slot])) continue;
     at::Tensor& grad = grads[next++];
-    grad.copy_(flat.narrow(0, static_cast<int64_t>(bucket.offsets[slot]), static_cast<int64_t>(bucket.lengths[slot]))
+    grad.copy_(result.narrow(0, static_cast<int64_t>(bucket.offsets[slot]), static_cast<int64_t>(bucket.lengths[slot]))
                    .view(bucket.sizes[slot]));
     if (scale != 1.0) grad.mul_(scale);
   }
@@ -463,8 +501,10 @@ void Reducer::match_all_reduce_for_bwd_pass() {
                                    std::move(bucket_params), std::nullopt);
       futures.push_back(comm_hook_->runHook(grad_bucket));
     } else {
-      std::vector<at::Tensor> tensors{zeros};
-      works.push_back(process_group_->allreduce(tensors));
+      for (const Chunk& chunk : bucket.chunks) {  // the same pieces active ranks launch
+        std::vector<at::Tensor> tensors{zeros.narrow(0, chunk.offset, chunk.numel)};
+        works.push_back(process_group_->allreduce(tensors));
+      }
     }
   }
   for (auto& work : works) work->wait();
@@ -488,6 +528,7 @@ void Reducer::set_comm_hook(pybind11::object state, pybind11::object hook) {
   TORCH_CHECK(num_iterations_ == 0 && !require_finalize_,
               "register_comm_hook must be called before the first backward");
   comm_hook_ = std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook));
+  for (Bucket& bucket : buckets_) split_into_chunks(bucket);  // a hook gets whole buckets
 }
 
 void Reducer::set_average_divisor(int64_t divisor) {

@@ -7,13 +7,13 @@
 // order within one iteration:
 //
 //   prepare_for_backward            (Python, after forward)
-//   autograd_hook -> mark_param_ready -> mark_bucket_ready -> launch_bucket
+//   autograd_hook -> mark_param_ready -> launch_ready_chunks -> launch_chunk
 //                                   (C++, per gradient, from autograd)
 //   finalize_backward               (C++, autograd engine callback at the
 //                                    end of backward: waits, writes back)
 //
 // No Python runs per gradient. A user's comm hook (Python) runs once per
-// bucket, inside launch_bucket.
+// bucket, inside launch_chunk.
 //
 // [Note: averaging]
 // Gradients are averaged by world size. Without a comm hook the bucket is
@@ -25,6 +25,19 @@
 // result as torch (a multiply by 2^-k is exact); otherwise they agree to
 // rounding. A comm hook gets raw sums to divide as it sees fit (torch's
 // contract for GradBucket hooks).
+//
+// [Note: chunked launches]
+// Buckets follow torch's layout (25 MB cap, 1 MB first bucket), so comm hooks
+// and checkpoints see the same buckets. But a 25 MB bucket whose gradients
+// trickle in over most of backward would, all-reduced whole, start only when
+// its last gradient arrives, leaving its whole transfer exposed after
+// backward. So without a comm hook each bucket is all-reduced in chunks of
+// about `chunk_bytes` (cut at parameter boundaries fixed when the bucket is
+// made, identical on every rank): a chunk launches as soon as its gradients,
+// and every chunk before it, are ready. Chunks launch in one global order on
+// every rank. An element's sum is the same two-rank sum either way; with more
+// ranks the ring's summation order may differ from one whole all-reduce at
+// rounding level. A comm hook receives whole buckets (one chunk each).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -71,6 +84,7 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   bool static_graph = false;
   bool record_timing = false;  // keep per-bucket records (off: no clock reads)
+  int64_t chunk_bytes = int64_t{4} << 20;  // all-reduce pieces; 0: whole buckets. See [Note: chunked launches]
 };
 
 // The handle torch gives for a parameter's gradient accumulator: an
@@ -156,7 +170,18 @@ class Reducer {
   int64_t num_iterations() const { return num_iterations_; }
 
  private:
-  // One group of gradients reduced by one collective.
+  // A piece of a bucket reduced by one collective: consecutive slots whose
+  // gradients launch as soon as they, and every chunk before, are ready.
+  struct Chunk {
+    size_t first_slot = 0;  // the slots [first_slot, end_slot) of its bucket
+    size_t end_slot = 0;
+    int64_t offset = 0;     // element range of the bucket buffer it covers
+    int64_t numel = 0;
+    size_t pending = 0;     // its gradients not yet ready this iteration
+    c10::intrusive_ptr<c10d::Work> work;  // its all-reduce in flight
+  };
+
+  // One group of gradients: the unit comm hooks and records see.
   struct Bucket {
     std::vector<int64_t> param_indices;   // into params_, in buffer order
     std::vector<size_t> offsets;          // element offset of each in buffer
@@ -164,8 +189,9 @@ class Reducer {
     std::vector<c10::IntArrayRef> sizes;  // shape of each (params_ own them)
     at::Tensor buffer;                    // flat gradients, reduced in place
     std::vector<at::Tensor> views;        // views of buffer shaped like params
-    size_t pending = 0;                   // gradients not yet ready this iteration
-    c10::intrusive_ptr<c10d::Work> work;  // built-in all-reduce in flight
+    std::vector<Chunk> chunks;            // launch units, in order
+    std::vector<size_t> chunk_of_slot;    // which chunk each slot belongs to
+    size_t next_chunk = 0;                // next chunk to launch this iteration
     c10::intrusive_ptr<c10::ivalue::Future> future;  // comm hook in flight
     BucketRecord record;
   };
@@ -179,13 +205,14 @@ class Reducer {
   // --- the per-gradient pipeline (see the file comment) ---
   void autograd_hook(int64_t index);
   void mark_param_ready(int64_t index);
-  void mark_bucket_ready(size_t bucket_index);
-  void launch_bucket(Bucket& bucket, size_t bucket_index);
+  void launch_ready_chunks();
+  void launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk);
   void finalize_backward();
-  void finalize_bucket(Bucket& bucket);
+  void finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tensor& result);
 
   // --- helpers ---
   void check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const;
+  void split_into_chunks(Bucket& bucket) const;
   void initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket_indices);
   bool should_rebuild_buckets_locked() const;
   void reset_for_backward();

@@ -51,8 +51,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism at module level, with torch DDP's constructor and
     behaviour. pydist-only keywords: ``first_bucket_cap_mb`` (size of the
     first, small bucket; default 1 MB when ``bucket_cap_mb`` is not given,
-    else ``bucket_cap_mb``, as torch) and ``record_timing`` (keep per-bucket
-    timings, read with ``last_iteration_record()``)."""
+    else ``bucket_cap_mb``, as torch), ``allreduce_chunk_mb`` (all-reduce
+    each bucket in pieces of about this size as its gradients arrive; 0 for
+    whole buckets; see [Note: chunked launches] in csrc/reducer/reducer.h) and
+    ``record_timing`` (keep per-bucket timings, read with
+    ``last_iteration_record()``)."""
 
     def __init__(
         self,
@@ -70,6 +73,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         *,
         first_bucket_cap_mb: float | None = None,
+        allreduce_chunk_mb: float = 4.0,
         record_timing: bool = False,
         **torch_keywords: Any,
     ):
@@ -133,6 +137,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             record_timing=record_timing,
+            chunk_bytes=int(allreduce_chunk_mb * bucketing.MB),
         )
         # static_graph: the first backward is reduced all at once at its end;
         # this flag records that the callback doing it has been queued.
