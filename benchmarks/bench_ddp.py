@@ -1,6 +1,6 @@
 """pydist DDP beside torch DDP: step time on 2 CPU ranks over gloo.
 
-    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json]
+    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json] [--chunk-ab]
 
 For each model, in one run and interleaved round by round (these machines
 swing 2x between runs, so only ratios within a run mean anything):
@@ -9,6 +9,10 @@ swing 2x between runs, so only ratios within a run mean anything):
     pydist     pydist.DistributedDataParallel step
     compute    the same step under no_sync (no communication at all)
     allreduce  one flat all-reduce of all the model's gradients
+
+--chunk-ab adds pydist with 1 MB all-reduce chunks and with whole buckets
+(allreduce_chunk_mb=0) beside the default 4 MB chunks (see [Note: chunked
+launches] in csrc/reducer/reducer.h).
 
 A step is zero_grad + forward + backward (the optimizer step is the same
 for both wrappers and left out). Medians over rounds; "exposed" is a DDP
@@ -50,7 +54,7 @@ def _time_steps(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _rank_main(rank, world_size, model_name, rounds, steps):
+def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab):
     import pydist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -59,6 +63,9 @@ def _rank_main(rank, world_size, model_name, rounds, steps):
         "torch": TorchDDP(MODELS[model_name]()),
         "pydist": pydist.DistributedDataParallel(MODELS[model_name]()),
     }
+    if chunk_ab:
+        wrapped["pydist_1mb"] = pydist.DistributedDataParallel(MODELS[model_name](), allreduce_chunk_mb=1)
+        wrapped["pydist_whole"] = pydist.DistributedDataParallel(MODELS[model_name](), allreduce_chunk_mb=0)
     x = torch.randn(BATCH, IN_FEATURES[model_name], generator=torch.Generator().manual_seed(rank))
 
     def ddp_step(model):
@@ -71,12 +78,9 @@ def _rank_main(rank, world_size, model_name, rounds, steps):
             ddp_step(model)
 
     grads = torch.zeros(sum(p.numel() for p in wrapped["torch"].parameters()))
-    modes = {
-        "torch": lambda: ddp_step(wrapped["torch"]),
-        "pydist": lambda: ddp_step(wrapped["pydist"]),
-        "compute": compute_step,
-        "allreduce": lambda: dist.all_reduce(grads),
-    }
+    modes = {name: (lambda m=model: ddp_step(m)) for name, model in wrapped.items()}
+    modes["compute"] = compute_step
+    modes["allreduce"] = lambda: dist.all_reduce(grads)
     for step in modes.values():  # warm up; buckets get rebuilt here
         for _ in range(3):
             step()
@@ -92,11 +96,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print machine-readable results only")
+    parser.add_argument("--chunk-ab", action="store_true", help="also time pydist with 1 MB chunks and whole buckets")
     args = parser.parse_args()
 
     results = []
     for name in MODELS:
-        per_rank = run_ranks(_rank_main, 2, args=(name, args.rounds, args.steps), timeout=600, threads=1)
+        per_rank = run_ranks(_rank_main, 2, args=(name, args.rounds, args.steps, args.chunk_ab), timeout=600, threads=1)
         med = {mode: max(r[mode] for r in per_rank) for mode in per_rank[0]}  # the slower rank sets the pace
         results.append({"model": name, **{f"{k}_ms": v * 1e3 for k, v in med.items()}})
     if args.json:
@@ -112,6 +117,12 @@ def main() -> None:
             f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['torch_ms'] / serial:>12.3f} "
             f"{r['pydist_ms'] / serial:>13.3f}"
         )
+    if args.chunk_ab:
+        print("\npydist / torch by all-reduce chunk size (same run)")
+        print(f"{'model':<36} {'4 MB (default)':>15} {'1 MB':>8} {'whole':>8}")
+        for r in results:
+            t = r["torch_ms"]
+            print(f"{r['model']:<36} {r['pydist_ms'] / t:>15.3f} {r['pydist_1mb_ms'] / t:>8.3f} {r['pydist_whole_ms'] / t:>8.3f}")
 
 
 if __name__ == "__main__":

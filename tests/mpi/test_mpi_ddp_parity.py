@@ -41,6 +41,16 @@ def train(model, group, rank, world_size, wrapper=torch.nn.parallel.DistributedD
     return trace
 
 
+def assert_same_training(trace_a, trace_b, model_a, model_b):
+    """Losses, grads of every step and final parameters are bit-identical."""
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(trace_a, trace_b):
+        torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
+        for ga, gb in zip(grads_a, grads_b):
+            torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
 def test_stock_ddp_same_numerics_on_mpi4py_and_gloo(world, gloo):
     mpi_group = dist.group.WORLD
     assert isinstance(mpi_group, MPI4PyProcessGroup)
@@ -53,12 +63,7 @@ def test_stock_ddp_same_numerics_on_mpi4py_and_gloo(world, gloo):
 
     # DDP's C++ reducer really called into the Python group (at least one bucket a step).
     assert mpi_group.issued_["allreduce"] - issued_before >= STEPS
-    for (loss_m, grads_m), (loss_g, grads_g) in zip(trace_mpi, trace_gloo):
-        torch.testing.assert_close(loss_m, loss_g, rtol=0, atol=0)
-        for gm, gg in zip(grads_m, grads_g):
-            torch.testing.assert_close(gm, gg, rtol=0, atol=0)
-    for pm, pg in zip(model_mpi.parameters(), model_gloo.parameters()):
-        torch.testing.assert_close(pm, pg, rtol=0, atol=0)
+    assert_same_training(trace_mpi, trace_gloo, model_mpi, model_gloo)
 
     # The oracle: the first step's averaged gradient is the full-batch gradient.
     xs, ys = zip(*(batch(0, r) for r in range(world.world_size)))
@@ -78,9 +83,4 @@ def test_pydist_ddp_on_mpi4py_matches_torch_ddp_on_gloo(world, gloo):
 
     # pydist's C++ reducer called into the Python group, one all-reduce per bucket.
     assert mpi_group.issued_["allreduce"] - issued_before >= STEPS
-    for (loss_p, grads_p), (loss_t, grads_t) in zip(trace_pydist, trace_torch):
-        torch.testing.assert_close(loss_p, loss_t, rtol=0, atol=0)
-        for gp, gt in zip(grads_p, grads_t):
-            torch.testing.assert_close(gp, gt, rtol=0, atol=0)
-    for pp, pt in zip(model_pydist.parameters(), model_torch.parameters()):
-        torch.testing.assert_close(pp, pt, rtol=0, atol=0)
+    assert_same_training(trace_pydist, trace_torch, model_pydist, model_torch)
