@@ -8,29 +8,37 @@ take this path instead when every rank of the group is on one node
 (``comm.Split_type(COMM_TYPE_SHARED)`` spans the group):
 
 * Once per group, lazily at the first eligible all-reduce, every rank
-  allocates ``SHM_BUFFERS`` staging chunks of ``SHM_CHUNK_BYTES`` in one
+  allocates ``SHM_BUFFERS`` staging buffers of ``SHM_CHUNK_BYTES`` (+ a few
+  bytes) in one
   ``MPI.Win.Allocate_shared`` window and maps every peer's slot
   (``Shared_query``). The window stays in a ``Lock_all`` epoch until the group
   is shut down, which frees it.
 * The message is processed in chunks of ``SHM_CHUNK_BYTES``; each chunk is
-  split into n near-equal slices, slice q owned by rank q. Per chunk, rank r:
-    1. copies the slices it does not own into its slot (peers read them there);
-    2. ``Win.Sync`` + ``Barrier`` + ``Win.Sync`` (the MPI-3 separate-memory
-       recipe; on x86 the barrier alone orders the stores);
-    3. reduces its own slice: for n == 2 in place, ``x[r] += slot_peer[r]``
-       (IEEE addition is commutative, so this is bitwise the rank-order sum
-       x0 + x1); for n > 2 explicitly in rank order x0 + x1 + ... + x_{n-1};
-       AVG divides the slice here; then publishes the slice in its own slot;
-    4. sync + barrier again;
-    5. copies every peer's published slice into its tensor.
+  split into n near-equal slices, slice q reduced by rank q. Every staging
+  buffer holds n regions at fixed offsets, region q for slice q. Per chunk k,
+  rank r:
+    stage(k)     copy the slices it does not own into its regions of its slot;
+    sync         ``Win.Sync`` + ``Barrier`` + ``Win.Sync`` (the MPI-3 recipe
+                 for shared windows; on x86 the barrier alone orders stores);
+    reduce(k)    sum its own slice: for n == 2 in place, ``x[r] += peer[r]``
+                 (IEEE addition is commutative, so this is bitwise the
+                 rank-order sum x0 + x1); for n > 2 explicitly in rank order
+                 x0 + x1 + ... + x_{n-1}; AVG divides here; then publish the
+                 slice into region r of its own slot;
+    sync         (the same sync as stage(k+1)'s, see below)
+    collect(k)   copy every peer's published slice into its tensor.
   Each element is reduced by exactly one rank and copied to the others, so all
   ranks hold bitwise identical results; integer-valued data give exactly what
   MPI_SUM gives.
-* Chunks alternate between the ``SHM_BUFFERS`` (2) staging buffers, so the
-  copy-in of chunk k+1 never overwrites a slice a peer is still copying out of
-  chunk k: a rank reaches copy-in of chunk k+2 (same buffer as k) only after
-  the second barrier of chunk k+1, which every rank passes after finishing
-  its copy-out of chunk k. Two barriers per chunk suffice.
+* One sync per chunk, not two: the sync after reduce(k) is also the one after
+  stage(k+1) (the loop runs reduce(k), stage(k+1), sync, collect(k)). Chunks
+  alternate between ``SHM_BUFFERS`` = 2 buffers, and that is enough: stage(k+1)
+  reuses the buffer of chunk k-1, but writes only regions q != r of its own
+  slot, while peers' collect(k-1) reads region q of slot q; and every peer's
+  reduce(k-1) read of those regions happened before the sync that precedes
+  stage(k+1). The regions must not move with a shorter last chunk, or
+  stage(k+1) would overlap a region still being collected (the tests caught
+  exactly that).
 * Chunks are small enough (2 MiB) to stay in cache between the copy-in, the
   reduction and the copy-out, so DRAM sees about one read and one write of the
   tensor. Copies and sums use numpy (single-threaded, releases the GIL), so the
@@ -44,6 +52,8 @@ Measured numbers are in benchmarks/RESULTS.md ("Shared-memory all-reduce").
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -66,6 +76,14 @@ def spans_one_node(comm) -> bool:
         node.Free()
 
 
+class _Chunk(NamedTuple):
+    """One step of the all-reduce: a piece of the caller's tensor, every rank's
+    staging buffer for it, and which slice each rank reduces."""
+    data: "numpy.ndarray"  # view into the caller's tensor
+    slots: list  # slots[q][p]: in rank q's staging buffer, the region for slice p
+    bounds: list  # bounds[q]: the slice rank q reduces
+
+
 class ShmAllreduce:
     """The shared window of one group and the all-reduce over it. Created,
     used and freed on the group's MPI thread only."""
@@ -76,12 +94,15 @@ class ShmAllreduce:
         self.comm_ = comm  # the group's communicator, borrowed (the group frees it)
         self.rank_ = comm.Get_rank()
         self.size_ = comm.Get_size()
-        self.win_ = MPI.Win.Allocate_shared(SHM_BUFFERS * SHM_CHUNK_BYTES, 1, comm=comm)  # freed in free()
+        # A buffer holds n regions at fixed offsets (see _chunk), each up to
+        # ceil(chunk / n) elements: up to n elements of 8 bytes more than a chunk.
+        buffer_bytes = SHM_CHUNK_BYTES + 8 * self.size_
+        self.win_ = MPI.Win.Allocate_shared(SHM_BUFFERS * buffer_bytes, 1, comm=comm)  # freed in free()
         self.slots_ = []  # slots_[q][b]: rank q's staging buffer b, as raw uint8 numpy views into the window
         for q in range(self.size_):
             mem, _ = self.win_.Shared_query(q)
             raw = torch.frombuffer(mem, dtype=torch.uint8).numpy()
-            self.slots_.append([raw[b * SHM_CHUNK_BYTES:(b + 1) * SHM_CHUNK_BYTES] for b in range(SHM_BUFFERS)])
+            self.slots_.append([raw[b * buffer_bytes:(b + 1) * buffer_bytes] for b in range(SHM_BUFFERS)])
         self.win_.Lock_all()  # one passive epoch for the window's life, so Win.Sync is legal
         self.calls_ = 0  # all-reduces run here; tests assert the path was taken
 
@@ -103,41 +124,65 @@ class ShmAllreduce:
 
     def allreduce(self, tensor: torch.Tensor, divide: bool) -> None:
         """In-place SUM (AVG when ``divide``) of the contiguous CPU ``tensor``.
-        Collective: every rank calls it with a tensor of the same size and dtype."""
+        Collective: every rank calls it with a tensor of the same size and dtype.
+        One sync per chunk, see [Note: shared-memory all-reduce]."""
         x = tensor.reshape(-1).numpy()
-        n, r = self.size_, self.rank_
         per_chunk = SHM_CHUNK_BYTES // x.itemsize
-        for k, start in enumerate(range(0, x.size, per_chunk)):
-            chunk = x[start:start + per_chunk]
-            m = chunk.size
-            bounds = [m * q // n for q in range(n + 1)]
-            b = k % SHM_BUFFERS
-            slot = [self.slots_[q][b][:m * x.itemsize].view(x.dtype) for q in range(n)]
-            lo, hi = bounds[r], bounds[r + 1]
-            # 1. stage the slices the peers reduce
-            for q in range(n):
-                if q != r:
-                    slot[r][bounds[q]:bounds[q + 1]] = chunk[bounds[q]:bounds[q + 1]]
+        chunks = [self._chunk(x, k, start) for k, start in enumerate(range(0, x.size, per_chunk))]
+        self._stage(chunks[0])
+        self._sync()
+        for k, chunk in enumerate(chunks):
+            self._reduce_and_publish(chunk, divide)
+            if k + 1 < len(chunks):
+                self._stage(chunks[k + 1])
             self._sync()
-            # 3. reduce my slice, same order for every element: x0 + x1 + ... (see the note)
-            mine = chunk[lo:hi]
-            if n == 2:
-                mine += slot[1 - r][lo:hi]
-            else:
-                parts = [mine if q == r else slot[q][lo:hi] for q in range(n)]
-                acc = parts[0] + parts[1]
-                for p in parts[2:]:
-                    acc += p
-                mine[...] = acc
-            if divide:
-                mine /= n
-            slot[r][lo:hi] = mine
-            self._sync()
-            # 5. collect the peers' reduced slices
-            for q in range(n):
-                if q != r:
-                    chunk[bounds[q]:bounds[q + 1]] = slot[q][bounds[q]:bounds[q + 1]]
+            self._collect(chunk)
         self.calls_ += 1
+
+    def _chunk(self, x, k: int, start: int) -> _Chunk:
+        per_chunk = SHM_CHUNK_BYTES // x.itemsize
+        data = x[start:start + per_chunk]
+        m, n = data.size, self.size_
+        bounds = [slice(m * q // n, m * (q + 1) // n) for q in range(n)]
+        # Rank q's slice sits at a fixed offset q * stride in every slot, whatever
+        # the chunk's length: a shorter last chunk must not move the regions, or its
+        # staging could overwrite a slice a peer is still collecting from the chunk
+        # two steps earlier in the same buffer (one sync per chunk, see the note).
+        stride = -(-per_chunk // n)
+        slots = []
+        for q in range(n):
+            typed = self.slots_[q][k % SHM_BUFFERS][:n * stride * x.itemsize].view(x.dtype)
+            slots.append([typed[p * stride:p * stride + (b.stop - b.start)] for p, b in enumerate(bounds)])
+        return _Chunk(data, slots, bounds)
+
+    def _stage(self, c: _Chunk) -> None:
+        """Copy the slices the peers reduce into my slot."""
+        for q in range(self.size_):
+            if q != self.rank_:
+                c.slots[self.rank_][q][...] = c.data[c.bounds[q]]
+
+    def _reduce_and_publish(self, c: _Chunk, divide: bool) -> None:
+        """Reduce my slice in rank order x0 + x1 + ... (bitwise, see the note),
+        leave it in my tensor and in my slot for the peers."""
+        n, r, mine = self.size_, self.rank_, c.bounds[self.rank_]
+        own = c.data[mine]
+        if n == 2:
+            own += c.slots[1 - r][r]
+        else:
+            parts = [own if q == r else c.slots[q][r] for q in range(n)]
+            acc = parts[0] + parts[1]
+            for p in parts[2:]:
+                acc += p
+            own[...] = acc
+        if divide:
+            own /= n
+        c.slots[r][r][...] = own
+
+    def _collect(self, c: _Chunk) -> None:
+        """Copy the peers' reduced slices into my tensor."""
+        for q in range(self.size_):
+            if q != self.rank_:
+                c.data[c.bounds[q]] = c.slots[q][q]
 
     def free(self) -> None:
         """Collective: end the epoch and free the window."""
