@@ -19,8 +19,9 @@ it), and MPI was initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 from __future__ import annotations
 
 import collections
-import itertools
 import datetime
+import itertools
+import os
 import threading
 import weakref
 
@@ -86,7 +87,9 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         # All ranks on one node: large all-reduces go through a shared window, see
         # [Note: shared-memory all-reduce]. The window itself is allocated by the MPI
         # thread at the first eligible all-reduce (shm_) and freed in shutdown().
-        self.shm_possible_ = size > 1 and spans_one_node(comm)
+        # PYDIST_MPI_SHM=0 turns the path off (for comparisons); read after the
+        # collective Split_type so ranks never disagree on calling it.
+        self.shm_possible_ = size > 1 and spans_one_node(comm) and os.environ.get("PYDIST_MPI_SHM", "1") != "0"
         self.shm_: ShmAllreduce | None = None
         _live_groups.add(self)
 

@@ -48,6 +48,7 @@ Used for: CPU tensors (after mpi_buffers staging; so bf16/fp16 reduce as their
 float32 copy, as on the MPI path), dtypes float32/float64/int32/int64, ops
 SUM and AVG, messages of at least ``SHM_MIN_BYTES``. Everything else, and
 groups that span nodes, takes the MPI path ([Note: chunked all-reduce]).
+``PYDIST_MPI_SHM=0`` (same on every rank) turns this path off, for comparisons.
 Measured numbers are in benchmarks/RESULTS.md ("Shared-memory all-reduce").
 """
 
