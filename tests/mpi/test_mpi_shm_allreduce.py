@@ -103,7 +103,7 @@ def test_async_shm_ops_in_flight(world, group):
         torch.testing.assert_close(t, expected, rtol=0, atol=0)
 
 
-def test_subgroup_gets_and_frees_its_own_window(world):
+def test_subgroup_gets_and_frees_its_own_window(world, group):
     g = dist.new_group(backend="mpi4py")
     t = contribution(world.rank, MIN // 4 + 5, torch.float32)
     dist.all_reduce(t, group=g)
