@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
+import os
 import threading
 import weakref
 
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .mpi_buffers import Message, mpi_op
+from .mpi_shm_allreduce import ShmAllreduce, spans_one_node
 from .mpi_work import CommThread, MPIWork
 
 __all__ = ["MPI4PyProcessGroup", "register", "shutdown_all", "BACKEND_NAME", "ALLREDUCE_CHUNK_BYTES"]
@@ -48,6 +51,7 @@ ALLREDUCE_INFLIGHT = 2
 
 _live_groups: "weakref.WeakSet[MPI4PyProcessGroup]" = weakref.WeakSet()  # for shutdown_all at exit
 _lock = threading.Lock()
+_created = itertools.count()  # creation order of this rank's groups; shutdown_all frees windows in it
 
 
 def allreduce_chunked(comm, msg_buf, count: int, itemsize: int, op) -> None:
@@ -79,6 +83,14 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         self.timeout_ = timeout  # bounds every MPIWork.wait
         self.thread_ = CommThread(name=f"pydist-mpi4py-{name}")  # runs the collectives, in issue order
         self.issued_: collections.Counter[str] = collections.Counter()  # op name -> calls; tests and debugging
+        self.seq_ = next(_created)  # orders collective teardown across groups, see shutdown_all
+        # All ranks on one node: large all-reduces go through a shared window, see
+        # [Note: shared-memory all-reduce]. The window itself is allocated by the MPI
+        # thread at the first eligible all-reduce (shm_) and freed in shutdown().
+        # PYDIST_MPI_SHM=0 turns the path off (for comparisons); read after the
+        # collective Split_type so ranks never disagree on calling it.
+        self.shm_possible_ = size > 1 and spans_one_node(comm) and os.environ.get("PYDIST_MPI_SHM", "1") != "0"
+        self.shm_: ShmAllreduce | None = None
         _live_groups.add(self)
 
     # -- identity -------------------------------------------------------------
@@ -114,6 +126,11 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
         def run():
             t = msg.staged.reshape(-1)
+            if self.shm_possible_ and ShmAllreduce.eligible(t, mpi, divide):
+                if self.shm_ is None:
+                    self.shm_ = ShmAllreduce(comm)  # collective: every rank takes this branch for this op
+                self.shm_.allreduce(t, divide)
+                return
             buf = msg.buffer(where)
             allreduce_chunked(comm, buf, t.numel(), t.element_size(), mpi)
             if divide:
@@ -233,11 +250,15 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
     # -- lifecycle ------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish queued collectives, stop the MPI thread, free the communicator."""
+        """Finish queued collectives, stop the MPI thread, free the shared window
+        (collective) and the communicator."""
         from mpi4py import MPI
 
         if self.thread_.stop() and self.comm_ is not None and not MPI.Is_finalized():
+            if self.shm_ is not None:
+                self.shm_.free()
             self.comm_.Free()
+        self.shm_ = None
         self.comm_ = None
 
     def abort(self) -> None:
@@ -312,5 +333,5 @@ def register() -> str:
 def shutdown_all() -> None:
     """Stop every live group's MPI thread; called at exit, see
     [Note: exit cleanly under mpiexec] in pydist/rendezvous/process_group.py."""
-    for group in list(_live_groups):
+    for group in sorted(_live_groups, key=lambda g: g.seq_):  # one order on every rank: Win.Free is collective
         group.shutdown()
