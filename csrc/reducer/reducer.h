@@ -66,8 +66,8 @@ struct BucketRecord {
   int64_t bytes = 0;
   int64_t first_grad_ns = -1;  // first of its gradients became ready
   int64_t last_grad_ns = -1;   // its last gradient became ready
-  int64_t launch_ns = -1;      // its collective (or comm hook) was launched
-  int64_t done_ns = -1;        // finalize_backward saw its collective complete
+  int64_t launch_ns = -1;      // its first chunk's collective (or its comm hook) was launched
+  int64_t done_ns = -1;        // finalize_backward had waited for it and written its grads back
 };
 
 // What the reducer measured in the last iteration it reduced.

@@ -3,7 +3,8 @@ and the overlap they imply.
 
 All times are milliseconds since the reducer was armed for backward (the end
 of forward). A bucket's all-reduce runs from ``launch_ms`` until, at the
-latest, ``done_ms`` (when finalize saw it complete). Autograd finished at
+latest, ``done_ms`` (when finalize had waited for it and written its
+gradients back). Autograd finished at
 ``backward_end_ms``; everything after it until ``finalize_end_ms`` is
 communication the backward could not hide (plus copying results back).
 """
@@ -20,8 +21,8 @@ class BucketTiming:
     bytes: int
     first_grad_ms: float  # its first gradient became ready
     last_grad_ms: float   # its last gradient became ready
-    launch_ms: float      # its collective was launched
-    done_ms: float        # finalize saw the collective complete
+    launch_ms: float      # its first collective (chunk or comm hook) was launched
+    done_ms: float        # finalize had waited for it and written its grads back
 
 
 @dataclass(frozen=True)
