@@ -186,14 +186,18 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single  # the name torch <= 2.11 calls
 
+    def _check_one_per_rank(self, where, what, tensors, numel, dtype):
+        """A list form takes one tensor per rank, each of ``numel`` elements."""
+        if len(tensors) != self.size_:
+            raise ValueError(f"{where}: expected {self.size_} {what} tensors, got {len(tensors)}")
+        for i, t in enumerate(tensors):
+            self._check_sizes(f"{where}, {what} {i}", t, numel, dtype)
+
     def allgather(self, output_lists, inputs, opts=None):
         self._one_tensor("allgather", inputs)
         outputs, input = output_lists[0], inputs[0]
         where = self._where("all_gather", input)
-        if len(outputs) != self.size_:
-            raise ValueError(f"{where}: expected {self.size_} output tensors, got {len(outputs)}")
-        for i, o in enumerate(outputs):
-            self._check_sizes(f"{where}, output {i}", o, input.numel(), input.dtype)
+        self._check_one_per_rank(where, "output", outputs, input.numel(), input.dtype)
         flat = torch.empty((self.size_ * input.numel(),), dtype=input.dtype, device=input.device)
         inner = self.all_gather_single(flat, input.contiguous())
 
@@ -232,8 +236,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         self._one_tensor("reduce_scatter", outputs)
         output, inputs = outputs[0], input_lists[0]
         where = self._where("reduce_scatter", output)
-        if len(inputs) != self.size_:
-            raise ValueError(f"{where}: expected {self.size_} input tensors, got {len(inputs)}")
+        self._check_one_per_rank(where, "input", inputs, output.numel(), output.dtype)
         flat = torch.cat([i.reshape(-1) for i in inputs])
         return self.reduce_scatter_single(output, flat, opts)
 
