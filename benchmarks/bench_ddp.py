@@ -1,6 +1,6 @@
 """pydist DDP beside torch DDP: step time on 2 CPU ranks over gloo.
 
-    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json] [--chunk-ab]
+    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json] [--chunk-ab] [--records]
 
 For each model, in one run and interleaved round by round (these machines
 swing 2x between runs, so only ratios within a run mean anything):
@@ -13,6 +13,10 @@ swing 2x between runs, so only ratios within a run mean anything):
 --chunk-ab adds pydist with 1 MB all-reduce chunks and with whole buckets
 (allreduce_chunk_mb=0) beside the default 4 MB chunks (see [Note: chunked
 launches] in csrc/reducer/reducer.h).
+
+--records prints, for each model, the reducer's per-bucket record of one
+backward (rank 0) with whole-bucket and with 4 MB chunked launches: where
+the time goes, and how much communication is exposed after autograd ends.
 
 A step is zero_grad + forward + backward (the optimizer step is the same
 for both wrappers and left out). Medians over rounds; "exposed" is a DDP
@@ -91,13 +95,37 @@ def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _records_main(rank, world_size, model_name, steps):
+    import pydist
+
+    reports = {}
+    for chunk_mb in (0, 4):
+        torch.manual_seed(0)
+        model = pydist.DistributedDataParallel(MODELS[model_name](), allreduce_chunk_mb=chunk_mb, record_timing=True)
+        x = torch.randn(BATCH, IN_FEATURES[model_name], generator=torch.Generator().manual_seed(rank))
+        for _ in range(steps):
+            model.zero_grad(set_to_none=False)
+            model(x).sum().backward()
+        reports[chunk_mb] = model.last_iteration_record().report()
+    return reports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print machine-readable results only")
     parser.add_argument("--chunk-ab", action="store_true", help="also time pydist with 1 MB chunks and whole buckets")
+    parser.add_argument("--records", action="store_true", help="print per-bucket records instead of timing steps")
     args = parser.parse_args()
+
+    if args.records:
+        for name in MODELS:
+            reports = run_ranks(_records_main, 2, args=(name, 6), timeout=600, threads=1)[0]
+            for chunk_mb, report in reports.items():
+                launches = "whole buckets" if chunk_mb == 0 else f"{chunk_mb} MB chunks"
+                print(f"# {name}, {launches}, rank 0\n{report}\n")
+        return
 
     results = []
     for name in MODELS:
