@@ -93,7 +93,7 @@ void Reducer::rebuild_buckets(std::vector<std::vector<int64_t>> bucket_indices) 
 }
 
 void Reducer::initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket_indices) {
-  TORCH_CHECK(!expect_hooks_ || !require_finalize_, "Reducer: buckets cannot change during backward");
+  TORCH_CHECK(!require_finalize_, "Reducer: buckets cannot change during backward");
   check_bucket_indices(bucket_indices);
   buckets_.clear();
   locators_.assign(params_.size(), Locator{});

@@ -34,7 +34,7 @@ def verify_same_model(named_params: Sequence[tuple[str, torch.Tensor]], group) -
                     f"rank 0 has {ref[0]} {list(ref[1])} {ref[2]}, rank {rank} has "
                     f"{other[0]} {list(other[1])} {other[2]}. Every rank must build the same model."
                 )
-        shorter, longer = (0, rank) if len(reference) < len(theirs) else (rank, 0)
+        longer = rank if len(theirs) > len(reference) else 0
         extra = (theirs if len(theirs) > len(reference) else reference)[min(len(reference), len(theirs))]
         raise RuntimeError(
             f"DistributedDataParallel: rank 0 has {len(reference)} parameters but rank {rank} has "
