@@ -14,7 +14,7 @@ namespace py = pybind11;
 TORCH_LIBRARY(pydist, m) {
   // See csrc/ops/flatten.h for what each op promises and requires.
   m.def("flatten(Tensor[] tensors) -> Tensor");
-  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out) -> ()");
+  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out, float scale=1.0) -> ()");
   m.def("unflatten_into(Tensor flat, Tensor(a!)[] tensors, float scale=1.0) -> ()");
 }
 

@@ -17,16 +17,18 @@ from pydist import _C  # noqa: F401  (loads the library that registers torch.ops
 __all__ = ["flatten", "unflatten", "unflatten_into"]
 
 
-def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """Copy ``tensors`` (one dtype, one device) into one 1-D tensor, in order.
 
     With ``out`` (a preallocated bucket: the case that matters) the copy lands
-    there and ``out`` is returned. Bitwise equal to
-    ``torch._utils._flatten_dense_tensors``.
+    there and ``out`` is returned; with ``scale``, each element is multiplied
+    on the way. Bitwise equal to ``torch._utils._flatten_dense_tensors``.
     """
     tensors = list(tensors)
+    if out is None and scale != 1.0 and tensors:
+        out = tensors[0].new_empty(sum(t.numel() for t in tensors))
     if out is not None:
-        torch.ops.pydist.flatten_into(tensors, out)
+        torch.ops.pydist.flatten_into(tensors, out, float(scale))
         return out
     if not tensors:
         return torch.empty(0)
@@ -55,8 +57,9 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: f
 # --- the oracle the tests compare against ------------------------------------
 
 
-def reference_flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+def reference_flatten(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+    return flat.mul_(scale) if scale != 1.0 else flat
 
 
 def reference_unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> None:
@@ -77,7 +80,7 @@ def _flatten_fake(tensors):
 
 
 @torch.library.register_fake("pydist::flatten_into")
-def _flatten_into_fake(tensors, out):
+def _flatten_into_fake(tensors, out, scale=1.0):
     return None
 
 

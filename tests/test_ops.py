@@ -125,6 +125,45 @@ def test_unflatten_into_scaled_matches_reference(device, case, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@EXAMPLES
+@given(case=tensor_lists(dtypes=st.sampled_from(FLOATS)),
+       scale=st.sampled_from([0.5, 1 / 3, 1 / 7, 0.125, 3.0, -1 / 6]))
+def test_flatten_into_scaled_matches_reference(device, case, scale):
+    # What the reducer does to gradients on their way into a bucket: torch's
+    # DDP multiplies by 1/world_size while copying (at::mul_out).
+    dtype, specs, seed = case
+    tensors = build(dtype, specs, seed, device)
+    want = ops.reference_flatten(tensors, scale=scale).to(device=device, dtype=dtype)
+    out = torch.full_like(want, 7)
+    ops.flatten(tensors, out=out, scale=scale)
+    assert_bitwise(out, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_tensors_already_in_place(device, scale):
+    # A resident gradient is its own bucket slot (csrc/reducer/reducer.h,
+    # [Note: resident gradients]): flatten_into and unflatten_into then scale
+    # it in place, or leave it alone at scale 1. Mixed with tensors elsewhere.
+    gen = torch.Generator().manual_seed(5)
+    sizes = [(3, 4), (7,), (5, 5), (1,)]
+    flat = torch.randn(sum(torch.Size(sz).numel() for sz in sizes), generator=gen).to(device)
+    before = flat.clone()
+    views = ops.unflatten(flat, [torch.empty(sz) for sz in sizes])
+    outside = torch.randn(7, generator=gen).to(device)
+    sources = [views[0], outside, views[2], views[3]]
+    want = ops.reference_flatten([before[:12], outside, before[19:44], before[44:]], scale=scale)
+    ops.flatten(sources, out=flat, scale=scale)
+    assert_bitwise(flat, want.to(device))
+    targets = [views[0], outside, views[2], views[3]]
+    expected = [t.clone() for t in targets]
+    ops.reference_unflatten_into(flat.clone(), expected, scale=scale)
+    ops.unflatten_into(flat, targets, scale=scale)
+    for got, w in zip(targets, expected):
+        assert_bitwise(got, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_bucket_takes_the_streaming_path(device, dtype):
     # 2000 tensors, ~24 MB: above kStreamingMinBytes (8 MiB), odd sizes so the
@@ -159,8 +198,10 @@ def test_integer_dtypes_take_only_scale_one():
     targets = [torch.empty(2, dtype=torch.int32), torch.empty(4, dtype=torch.int32)]
     ops.unflatten_into(flat, targets)
     assert targets[1].tolist() == [2, 3, 4, 5]
-    with pytest.raises(RuntimeError, match=r"scale 0\.5 needs a floating dtype"):
+    with pytest.raises(RuntimeError, match=r"unflatten_into: scale 0\.5 needs a floating dtype"):
         ops.unflatten_into(flat, targets, scale=0.5)
+    with pytest.raises(RuntimeError, match=r"flatten_into: scale 0\.5 needs a floating dtype"):
+        ops.flatten(targets, out=flat, scale=0.5)
 
 
 # --- torch.library.opcheck: schema, fake tensors, dispatch ----------------------
@@ -180,10 +221,11 @@ def test_opcheck_flatten(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_flatten_into(device):
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_opcheck_flatten_into(device, scale):
     tensors, total = opcheck_inputs(device)
     out = torch.empty(total, device=device)
-    torch.library.opcheck(torch.ops.pydist.flatten_into.default, (tensors, out))
+    torch.library.opcheck(torch.ops.pydist.flatten_into.default, (tensors, out, scale))
 
 
 @pytest.mark.parametrize("device", DEVICES)

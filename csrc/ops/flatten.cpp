@@ -51,14 +51,19 @@ void check_flat(const char* op, const char* arg, const at::Tensor& flat,
   }
 }
 
+void check_scale(const char* op, const at::Tensor& flat, double scale) {
+  TORCH_CHECK(scale == 1.0 || at::isFloatingType(flat.scalar_type()), op, ": scale ", scale,
+              " needs a floating dtype, got ", flat.scalar_type(), " (integer tensors take scale=1)");
+}
+
 }  // namespace detail
 
 // Dispatcher entry points for C++ callers (see flatten.h).
-void flatten_into(at::TensorList tensors, const at::Tensor& out) {
+void flatten_into(at::TensorList tensors, const at::Tensor& out, double scale) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pydist::flatten_into", "")
-                       .typed<void(at::TensorList, const at::Tensor&)>();
-  op.call(tensors, out);
+                       .typed<void(at::TensorList, const at::Tensor&, double)>();
+  op.call(tensors, out, scale);
 }
 
 at::Tensor flatten(at::TensorList tensors) {

@@ -12,9 +12,12 @@
 namespace pydist::ops {
 
 // Copies `tensors` (one dtype, one device, any shapes and strides) into the
-// contiguous 1-D `out`, back to back in list order. Requires
+// contiguous 1-D `out`, back to back in list order, each element multiplied
+// by `scale` (1: a plain copy; integer dtypes accept only 1). Requires
 // out.numel() == sum of numels, out on the same device with the same dtype.
-void flatten_into(at::TensorList tensors, const at::Tensor& out);
+// A tensor may be exactly its own place in `out` (same address, contiguous):
+// it is scaled in place, or left alone when scale is 1.
+void flatten_into(at::TensorList tensors, const at::Tensor& out, double scale = 1.0);
 
 // As flatten_into, into a freshly allocated buffer.
 at::Tensor flatten(at::TensorList tensors);
@@ -22,6 +25,7 @@ at::Tensor flatten(at::TensorList tensors);
 // Copies consecutive segments of the contiguous 1-D `flat` back into
 // `tensors` in place, each multiplied by `scale` (scale 1 is a plain copy;
 // integer dtypes accept only 1). Requires the numels to add up to flat.numel().
+// A tensor that is exactly its own segment of `flat` is scaled in place.
 void unflatten_into(const at::Tensor& flat, at::TensorList tensors, double scale);
 
 namespace detail {
@@ -31,6 +35,8 @@ namespace detail {
 int64_t check_tensor_list(const char* op, at::TensorList tensors, const char* what);
 void check_flat(const char* op, const char* arg, const at::Tensor& flat,
                 at::TensorList tensors, int64_t total);
+// A scale other than 1 needs a floating dtype.
+void check_scale(const char* op, const at::Tensor& flat, double scale);
 
 }  // namespace detail
 }  // namespace pydist::ops

@@ -66,10 +66,11 @@ void check_launch(const char* op, cudaError_t err, size_t n_segments, int64_t fl
               cudaGetErrorString(err), ") copying ", n_segments, " segments, ", flat_bytes, " bytes");
 }
 
-void flatten_into_cuda(at::TensorList tensors, const at::Tensor& out) {
+void flatten_into_cuda(at::TensorList tensors, const at::Tensor& out, double scale) {
   int64_t total = detail::check_tensor_list("flatten_into", tensors, "tensors");
   detail::check_flat("flatten_into", "out", out, tensors, total);
   TORCH_CHECK(out.is_cuda(), "flatten_into: `out` is on ", out.device(), ", expected a CUDA device");
+  detail::check_scale("flatten_into", out, scale);
   if (total == 0) return;
   c10::cuda::CUDAGuard guard(out.device());
   const int64_t itemsize = out.element_size();
@@ -85,13 +86,17 @@ void flatten_into_cuda(at::TensorList tensors, const at::Tensor& out) {
     const at::Tensor& t = tensors[index];
     out.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
   }
+  // A second pass on the device rather than a scaled kernel: `out` is
+  // contiguous, where ATen's mul_ by a scalar computes as the CPU path does
+  // (in the opmath type, the scale rounded to it).
+  if (scale != 1.0) out.mul_(scale);
 }
 
 at::Tensor flatten_cuda(at::TensorList tensors) {
   int64_t total = detail::check_tensor_list("flatten", tensors, "tensors");
   TORCH_CHECK(!tensors.empty(), "flatten: `tensors` is empty (the Python wrapper handles this)");
   at::Tensor out = at::empty({total}, tensors[0].options().memory_format(at::MemoryFormat::Contiguous));
-  flatten_into_cuda(tensors, out);
+  flatten_into_cuda(tensors, out, 1.0);
   return out;
 }
 

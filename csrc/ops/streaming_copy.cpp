@@ -71,6 +71,7 @@ const Isa kIsa = detect_isa();
 }  // namespace
 
 void copy_bytes(void* dst, const void* src, size_t n, bool streaming) {
+  if (dst == src) return;  // already in place: see copy_bytes in streaming_copy.h
 #ifdef PYDIST_X86_STREAMING
   if (streaming && kIsa == Isa::kAvx512) return stream_avx512(static_cast<char*>(dst), static_cast<const char*>(src), n);
   if (streaming && kIsa == Isa::kAvx) return stream_avx(static_cast<char*>(dst), static_cast<const char*>(src), n);

@@ -24,7 +24,10 @@ namespace pydist::ops {
 // win (the data stays in cache), at 16 MB streaming wins by ~1.5x.
 constexpr int64_t kStreamingMinBytes = int64_t{8} << 20;
 
-// Copies n bytes from src to dst (not overlapping), like std::memcpy. With
+// Copies n bytes from src to dst, like std::memcpy: the ranges must not
+// overlap, except that dst == src is allowed and copies nothing (a gradient
+// that already lives in its bucket slot; see [Note: resident gradients] in
+// reducer/reducer.h). With
 // `streaming`, uses non-temporal stores where the CPU has them (x86-64 with
 // AVX or AVX-512, chosen at run time) and ends with a store fence, so the
 // bytes are visible to other threads once it returns; elsewhere it is memcpy.
