@@ -32,6 +32,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   local_used_ = at::zeros({n}, at::kInt);
   global_used_ = at::zeros({n}, at::kInt);
   ready_.assign(n, false);
+  had_grad_.assign(n, false);
   zeros_.resize(n);
   hook_calls_expected_.assign(n, 0);
   hook_calls_left_.assign(n, 0);
@@ -109,15 +110,11 @@ void Reducer::initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket
       bucket.sizes.push_back(p.sizes());
       offset += static_cast<size_t>(p.numel());
     }
-    const at::Tensor& first = params_[bucket_indices[b][0]];
-    bucket.buffer = at::empty({static_cast<int64_t>(offset)}, first.options());
-    for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
-      bucket.views.push_back(bucket.buffer.narrow(0, static_cast<int64_t>(bucket.offsets[slot]),
-                                                  static_cast<int64_t>(bucket.lengths[slot]))
-                                 .view(bucket.sizes[slot]));
-      if (options_.gradient_as_bucket_view) {
-        // A gradient that already exists moves into the bucket; one that does
-        // not stays undefined (it may belong to a globally unused parameter).
+    allocate_buffer(bucket);
+    if (options_.gradient_as_bucket_view) {
+      // A gradient that already exists moves into the bucket; one that does
+      // not stays undefined (it may belong to a globally unused parameter).
+      for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
         at::Tensor& grad = params_[bucket.param_indices[slot]].mutable_grad();
         if (grad.defined() && !grad.is_alias_of(bucket.views[slot])) {
           bucket.views[slot].copy_(grad);
@@ -131,6 +128,20 @@ void Reducer::initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket
     split_into_chunks(bucket);
     buckets_.push_back(std::move(bucket));
   }
+}
+
+void Reducer::allocate_buffer(Bucket& bucket) const {
+  const at::Tensor& first = params_[bucket.param_indices.at(0)];
+  int64_t numel = 0;
+  for (size_t length : bucket.lengths) numel += static_cast<int64_t>(length);
+  bucket.buffer = at::empty({numel}, first.options().memory_format(at::MemoryFormat::Contiguous));
+  bucket.views.clear();
+  for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
+    bucket.views.push_back(bucket.buffer.narrow(0, static_cast<int64_t>(bucket.offsets[slot]),
+                                                static_cast<int64_t>(bucket.lengths[slot]))
+                               .view(bucket.sizes[slot]));
+  }
+  bucket.resident.assign(bucket.param_indices.size(), std::nullopt);
 }
 
 void Reducer::split_into_chunks(Bucket& bucket) const {
@@ -205,6 +216,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
               "parameter takes part in the loss. ",
               describe_unready_params());
   reset_for_backward();
+  if (resident_grads()) prepare_resident_grads();
   expect_hooks_ = true;
   if (!dynamic_find_unused()) return;
 
@@ -246,6 +258,55 @@ void Reducer::reset_for_backward() {
   }
   if (options_.static_graph) hook_calls_left_ = hook_calls_expected_;
   if (dynamic_find_unused()) unused_params_.clear();
+}
+
+// --- resident gradients: see [Note: resident gradients] -------------------
+
+bool Reducer::resident_grads() const {
+  return !options_.gradient_as_bucket_view && !comm_hook_ && !options_.find_unused_parameters &&
+         !options_.static_graph;
+}
+
+bool Reducer::in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const {
+  return grad.defined() && grad.numel() > 0 && grad.const_data_ptr() == bucket.views[slot].const_data_ptr() &&
+         grad.is_contiguous() && grad.scalar_type() == bucket.buffer.scalar_type();
+}
+
+void Reducer::prepare_resident_grads() {
+  // Before autograd writes anything this iteration. A bucket whose memory an
+  // old gradient still holds (its parameter's .grad was dropped or replaced
+  // but the tensor kept, or a .grad points into another slot) gets a fresh
+  // buffer. Then each parameter notes whether its .grad exists outside its
+  // slot: such a .grad may move in at finalize.
+  for (Bucket& bucket : buckets_) {
+    const auto begin = reinterpret_cast<uintptr_t>(bucket.buffer.const_data_ptr());
+    const auto end = begin + bucket.buffer.nbytes();
+    bool held = false;
+    for (size_t slot = 0; slot < bucket.param_indices.size() && !held; ++slot) {
+      const at::Tensor& grad = params_[bucket.param_indices[slot]].grad();
+      if (in_slot(bucket, slot, grad)) continue;
+      const auto& storage = bucket.resident[slot];
+      const auto data = grad.defined() ? reinterpret_cast<uintptr_t>(grad.const_data_ptr()) : 0;
+      held = (storage && !storage->expired()) || (data >= begin && data < end);
+    }
+    if (held) allocate_buffer(bucket);
+    for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
+      const int64_t i = bucket.param_indices[slot];
+      const at::Tensor& grad = params_[i].grad();
+      had_grad_[i] = grad.defined() && !in_slot(bucket, slot, grad);
+    }
+  }
+}
+
+void Reducer::move_into_slot(Bucket& bucket, size_t slot, at::Tensor& grad) {
+  // The slot holds the reduced gradient. `grad` (the same tensor object)
+  // gets a storage of its own over exactly the slot's bytes; that storage
+  // keeps the bucket buffer alive for as long as anything holds the grad.
+  c10::Storage keep = bucket.buffer.storage();
+  at::Tensor resident = at::from_blob(bucket.views[slot].data_ptr(), bucket.sizes[slot], [keep](void*) {},
+                                      bucket.buffer.options());
+  bucket.resident[slot] = resident.storage().getWeakStorageImpl();
+  grad.set_(resident);
 }
 
 // --- the per-gradient pipeline ------------------------------------------
@@ -347,7 +408,7 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
       const at::Tensor& grad = params_[i].grad();
       grads.push_back(grad.defined() ? grad : zeros_for(i));
     }
-    ops::flatten_into(grads, piece);
+    ops::flatten_into(grads, piece, comm_hook_ ? 1.0 : average_scale_);  // see [Note: averaging]
   }
 
   if (comm_hook_) {  // a hook's bucket is one chunk: see split_into_chunks
@@ -456,9 +517,12 @@ void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tenso
     }
     return;
   }
-  // Copy back, averaging on the way (see [Note: averaging]).
-  const double scale = comm_hook_ ? 1.0 : average_scale_;
+  // Copy back (the average was taken on the way in: [Note: averaging]). A
+  // resident .grad is its slot, so there is nothing to copy; one that may
+  // become resident is moved into its slot instead.
+  const bool resident = resident_grads();
   std::vector<at::Tensor> grads;
+  std::vector<size_t> moving;
   grads.reserve(chunk.end_slot - chunk.first_slot);
   bool all_slots = true;
   for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
@@ -469,19 +533,24 @@ void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tenso
     }
     at::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) grad = at::empty_like(params_[i]);  // used elsewhere, not here
-    grads.push_back(grad);
+    const bool movable = resident && had_grad_[i] && params_[i].is_contiguous() && grad.is_contiguous() &&
+                         !grad.is_view() && grad.storage_offset() == 0 && grad.storage().use_count() == 1 &&
+                         grad.storage().nbytes() == grad.nbytes() && !in_slot(bucket, slot, grad);
+    if (movable) moving.push_back(slot);
+    grads.push_back(movable ? bucket.views[slot] : grad);
   }
   if (all_slots) {
-    ops::unflatten_into(result.narrow(0, chunk.offset, chunk.numel), grads, scale);
+    ops::unflatten_into(result.narrow(0, chunk.offset, chunk.numel), grads, 1.0);
+    for (size_t slot : moving) move_into_slot(bucket, slot, params_[bucket.param_indices[slot]].mutable_grad());
     return;
   }
+  TORCH_INTERNAL_ASSERT(moving.empty(), "resident gradients with globally unused parameters");
   size_t next = 0;
   for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
     if (globally_unused(bucket.param_indices[slot])) continue;
     at::Tensor& grad = grads[next++];
     grad.copy_(result.narrow(0, static_cast<int64_t>(bucket.offsets[slot]), static_cast<int64_t>(bucket.lengths[slot]))
                    .view(bucket.sizes[slot]));
-    if (scale != 1.0) grad.mul_(scale);
   }
 }
 

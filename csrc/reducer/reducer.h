@@ -16,15 +16,16 @@
 // bucket, inside launch_chunk.
 //
 // [Note: averaging]
-// Gradients are averaged by world size. Without a comm hook the bucket is
-// all-reduced as a sum and the 1/world_size scale is applied when results are
-// copied back into .grad (pydist::ops::unflatten_into's `scale`), so the
-// average costs no extra pass. With gradient_as_bucket_view the grads *are*
-// the bucket, so the bucket is scaled in place before its all-reduce, as
-// torch does. For power-of-two world sizes both orders give bitwise the same
-// result as torch (a multiply by 2^-k is exact); otherwise they agree to
-// rounding. A comm hook gets raw sums to divide as it sees fit (torch's
-// contract for GradBucket hooks).
+// Gradients are averaged by world size as torch does it: each gradient is
+// multiplied by 1/world_size on its way into the bucket (the `scale` of
+// pydist::ops::flatten_into, the same arithmetic as torch's at::mul_out),
+// then the bucket is all-reduced as a sum, so results match torch's bitwise
+// for any world size where the sums are taken in the same order. A resident
+// gradient (below) is already in its slot, so its "copy" is that multiply in
+// place, while it is still in cache from autograd's accumulate; with
+// gradient_as_bucket_view the chunk is scaled in place the same way. A comm
+// hook gets raw gradients to divide as it sees fit (torch's contract for
+// GradBucket hooks).
 //
 // [Note: chunked launches]
 // Buckets follow torch's layout (25 MB cap, 1 MB first bucket), so comm hooks
@@ -38,6 +39,32 @@
 // every rank. An element's sum is the same two-rank sum either way; with more
 // ranks the ring's summation order may differ from one whole all-reduce at
 // rounding level. A comm hook receives whole buckets (one chunk each).
+//
+// [Note: resident gradients]
+// Torch's DDP copies every gradient into its bucket before the all-reduce and
+// back into .grad after it: two passes over each gradient byte, every step.
+// gradient_as_bucket_view=True saves both by making .grad a *view* of the
+// bucket, which users can see (views: one storage shared by all grads,
+// detach_() raises). pydist saves them by default without that: a .grad that
+// lives on across iterations (zero_grad(set_to_none=False), accumulation) is
+// moved into its bucket slot once, by Tensor::set_ on the same tensor, onto a
+// storage of its own (exactly its bytes, not a view) carved out of the bucket
+// buffer. From then on autograd accumulates straight into the bucket,
+// flatten_into finds the gradient already in place and copies nothing, and
+// the write-back is the in-place 1/world_size scale. What keeps torch's
+// semantics:
+//   - Only a .grad that existed when backward was armed (the user may hold
+//     it), is contiguous, and shares its storage with nothing (no views of it,
+//     not a view itself) is moved. The tensor object stays the same, so
+//     references to it stay valid; only its data_ptr changes. A .grad created
+//     during this backward (set_to_none=True) gets the usual copy back.
+//   - A bucket's memory is reused only while no old resident gradient outlives
+//     its parameter's .grad: if the user dropped .grad but still holds the old
+//     tensor, prepare_for_backward gives the bucket a fresh buffer, so the held
+//     tensor is never written again (as in torch).
+//   - Off where .grad of a globally unused parameter must stay untouched
+//     (find_unused_parameters, static_graph), with a comm hook (it owns the
+//     bucket) and with gradient_as_bucket_view (views instead).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -191,6 +218,9 @@ class Reducer {
     std::vector<at::Tensor> views;        // views of buffer shaped like params
     std::vector<Chunk> chunks;            // launch units, in order
     std::vector<size_t> chunk_of_slot;    // which chunk each slot belongs to
+    // Per slot, the storage its .grad was moved onto, if any (see [Note:
+    // resident gradients]); alive while anything still holds that gradient.
+    std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> resident;
     size_t next_chunk = 0;                // next chunk to launch this iteration
     c10::intrusive_ptr<c10::ivalue::Future> future;  // comm hook in flight
     BucketRecord record;
@@ -214,6 +244,12 @@ class Reducer {
   void check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const;
   void split_into_chunks(Bucket& bucket) const;
   void initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket_indices);
+  void allocate_buffer(Bucket& bucket) const;
+  // [Note: resident gradients]
+  bool resident_grads() const;
+  bool in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const;
+  void prepare_resident_grads();
+  void move_into_slot(Bucket& bucket, size_t slot, at::Tensor& grad);
   bool should_rebuild_buckets_locked() const;
   void reset_for_backward();
   void launch_local_used_allreduce();
@@ -247,6 +283,7 @@ class Reducer {
   std::vector<bool> ready_;            // param marked ready this iteration
   std::vector<int64_t> unused_params_; // found by the graph walk / static first iteration
   std::vector<int64_t> ready_order_;   // order gradients became ready (for the rebuild)
+  std::vector<bool> had_grad_;         // .grad existed outside its slot when armed (resident_grads)
   bool has_rebuilt_ = false;           // buckets were rebuilt from ready_order_ already
 
   // find_unused_parameters / static_graph: which params got a gradient.

@@ -305,7 +305,12 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
                     loss.backward()
                 losses.append(loss.item())
                 grads.append(_snapshot_grads(module))
-                storage_groups = _grad_storage_groups(module)
+                if step == n_steps - 1 and micro == sc.micro_steps - 1:
+                    # Only after the last backward: a Python storage object
+                    # of a .grad keeps pydist from moving it into its bucket
+                    # (a conservative test for "shared"; see [Note: resident
+                    # gradients] in csrc/reducer/reducer.h).
+                    storage_groups = _grad_storage_groups(module)
             opt.step()
             opt.zero_grad(set_to_none=sc.grads_to_none)
     result = RunResult(
