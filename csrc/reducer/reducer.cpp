@@ -216,7 +216,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
               "parameter takes part in the loss. ",
               describe_unready_params());
   reset_for_backward();
-  if (resident_grads()) prepare_resident_grads();
+  if (resident_grads()) note_grads_before_backward();
   expect_hooks_ = true;
   if (!dynamic_find_unused()) return;
 
@@ -264,7 +264,7 @@ void Reducer::reset_for_backward() {
 
 bool Reducer::resident_grads() const {
   return !options_.gradient_as_bucket_view && !comm_hook_ && !options_.find_unused_parameters &&
-         !options_.static_graph;
+         !options_.static_graph && params_.front().is_cpu();
 }
 
 bool Reducer::in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const {
@@ -272,28 +272,35 @@ bool Reducer::in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad)
          grad.is_contiguous() && grad.scalar_type() == bucket.buffer.scalar_type();
 }
 
-void Reducer::prepare_resident_grads() {
-  // Before autograd writes anything this iteration. A bucket whose memory an
-  // old gradient still holds (its parameter's .grad was dropped or replaced
-  // but the tensor kept, or a .grad points into another slot) gets a fresh
-  // buffer. Then each parameter notes whether its .grad exists outside its
-  // slot: such a .grad may move in at finalize.
+void Reducer::note_grads_before_backward() {
+  // Which parameters have a .grad outside its slot now, at the end of
+  // forward: such a .grad may move in at finalize.
   for (Bucket& bucket : buckets_) {
-    const auto begin = reinterpret_cast<uintptr_t>(bucket.buffer.const_data_ptr());
-    const auto end = begin + bucket.buffer.nbytes();
-    bool held = false;
-    for (size_t slot = 0; slot < bucket.param_indices.size() && !held; ++slot) {
-      const at::Tensor& grad = params_[bucket.param_indices[slot]].grad();
-      if (in_slot(bucket, slot, grad)) continue;
-      const auto& storage = bucket.resident[slot];
-      const auto data = grad.defined() ? reinterpret_cast<uintptr_t>(grad.const_data_ptr()) : 0;
-      held = (storage && !storage->expired()) || (data >= begin && data < end);
-    }
-    if (held) allocate_buffer(bucket);
     for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
       const int64_t i = bucket.param_indices[slot];
       const at::Tensor& grad = params_[i].grad();
       had_grad_[i] = grad.defined() && !in_slot(bucket, slot, grad);
+    }
+  }
+}
+
+void Reducer::make_bucket_writable(Bucket& bucket) {
+  // Just before this backward's first write into the bucket (its first
+  // chunk's copy in; autograd's own writes into a slot are writes to that
+  // parameter's current .grad). A bucket whose memory a gradient still
+  // holds that is no longer its parameter's .grad (dropped or replaced, but
+  // kept by the user), or a .grad that points into another slot, gets a
+  // fresh buffer, so that tensor is never written again.
+  const auto begin = reinterpret_cast<uintptr_t>(bucket.buffer.const_data_ptr());
+  const auto end = begin + bucket.buffer.nbytes();
+  for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
+    const at::Tensor& grad = params_[bucket.param_indices[slot]].grad();
+    if (bucket.lengths[slot] == 0 || in_slot(bucket, slot, grad)) continue;
+    const auto& storage = bucket.resident[slot];
+    const auto data = grad.defined() ? reinterpret_cast<uintptr_t>(grad.const_data_ptr()) : 0;
+    if ((storage && !storage->expired()) || (data >= begin && data < end)) {
+      allocate_buffer(bucket);
+      return;
     }
   }
 }
@@ -386,6 +393,7 @@ at::Tensor& Reducer::zeros_for(int64_t index) {
 }
 
 void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
+  if (chunk.first_slot == 0 && resident_grads()) make_bucket_writable(bucket);
   at::Tensor piece = bucket.buffer.narrow(0, chunk.offset, chunk.numel);
   if (options_.gradient_as_bucket_view) {
     // Gradients accumulate straight into the bucket once they are its views;
@@ -533,7 +541,8 @@ void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tenso
     }
     at::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) grad = at::empty_like(params_[i]);  // used elsewhere, not here
-    const bool movable = resident && had_grad_[i] && params_[i].is_contiguous() && grad.is_contiguous() &&
+    const bool movable = resident && had_grad_[i] && grad.numel() > 0 && !grad.requires_grad() &&
+                         params_[i].is_contiguous() && grad.is_contiguous() &&
                          !grad.is_view() && grad.storage_offset() == 0 && grad.storage().use_count() == 1 &&
                          grad.storage().nbytes() == grad.nbytes() && !in_slot(bucket, slot, grad);
     if (movable) moving.push_back(slot);

@@ -53,18 +53,24 @@
 // flatten_into finds the gradient already in place and copies nothing, and
 // the write-back is the in-place 1/world_size scale. What keeps torch's
 // semantics:
-//   - Only a .grad that existed when backward was armed (the user may hold
-//     it), is contiguous, and shares its storage with nothing (no views of it,
-//     not a view itself) is moved. The tensor object stays the same, so
-//     references to it stay valid; only its data_ptr changes. A .grad created
-//     during this backward (set_to_none=True) gets the usual copy back.
+//   - Only a .grad that existed at the end of forward (the user may hold
+//     it), is contiguous, not empty, not part of a graph (create_graph), and
+//     shares its storage with nothing (no views of it, not a view itself, no
+//     Python storage object: a conservative test) is moved. The tensor object
+//     stays the same, so references to it stay valid; only its data_ptr
+//     changes. A .grad created during this backward (set_to_none=True) gets
+//     the usual copy back.
 //   - A bucket's memory is reused only while no old resident gradient outlives
 //     its parameter's .grad: if the user dropped .grad but still holds the old
-//     tensor, prepare_for_backward gives the bucket a fresh buffer, so the held
-//     tensor is never written again (as in torch).
+//     tensor, the bucket gets a fresh buffer just before this backward first
+//     writes into it (make_bucket_writable), so the held tensor is never
+//     written again (as in torch).
 //   - Off where .grad of a globally unused parameter must stay untouched
 //     (find_unused_parameters, static_graph), with a comm hook (it owns the
-//     bucket) and with gradient_as_bucket_view (views instead).
+//     bucket), with gradient_as_bucket_view (views instead), and on CUDA: the
+//     caching allocator ignores record_stream on a storage it did not
+//     allocate, and the CUDA flatten does not skip segments already in place,
+//     so there it would cost safety and gain nothing.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -248,7 +254,8 @@ class Reducer {
   // [Note: resident gradients]
   bool resident_grads() const;
   bool in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const;
-  void prepare_resident_grads();
+  void note_grads_before_backward();
+  void make_bucket_writable(Bucket& bucket);
   void move_into_slot(Bucket& bucket, size_t slot, at::Tensor& grad);
   bool should_rebuild_buckets_locked() const;
   void reset_for_backward();

@@ -115,3 +115,60 @@ def test_grads_keep_torch_semantics():
         assert all(facts.pop("equal")), f"rank {rank}: grads differ from torch DDP's at some step"
         failed = [what for what, ok in facts.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
+
+
+class _WithEmptyParam(torch.nn.Module):
+    """An MLP with a zero-size parameter in its bucket (it gets a grad of zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        from ddp_models import build_model
+
+        self.mlp = build_model("mlp")
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.mlp(x) + self.empty.sum()
+
+
+def _zero_grad_after_forward_main(rank, world_size):
+    # The order of many tutorials: forward, optimizer.zero_grad(), backward,
+    # here while the user keeps every step's grads. Torch never writes a kept
+    # grad again; pydist must not either, though the grads it drops at
+    # zero_grad were resident in the bucket when forward ended.
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pydist import DistributedDataParallel
+
+    models = {}
+    for name, cls in (("torch", TorchDDP), ("pydist", DistributedDataParallel)):
+        torch.manual_seed(0)
+        models[name] = cls(_WithEmptyParam(), bucket_cap_mb=0.002)
+    kept = {name: [] for name in models}
+    equal = []
+    for step in range(6):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for name, ddp in models.items():
+            out = ddp(x)
+            ddp.zero_grad(set_to_none=step % 2 == 1)  # both ways, after forward
+            out.pow(2).sum().backward()
+            kept[name].append([(p.grad, p.grad.clone()) for p in ddp.module.parameters()])
+        pairs = zip(models["torch"].module.parameters(), models["pydist"].module.parameters())
+        equal.append(all(torch.equal(a.grad, b.grad) for a, b in pairs))
+    # which kept grads were written again later: torch's pattern (a kept grad
+    # that stayed .grad through zero_grad(set_to_none=False) is) and pydist's
+    written = {name: [[not torch.equal(g, v) for g, v in per_step] for per_step in kept[name]] for name in kept}
+    dist.barrier()
+    return {"equal": equal, "written": written}
+
+
+@pytest.mark.timeout(120)
+def test_zero_grad_between_forward_and_backward():
+    for rank, facts in enumerate(run_ranks(_zero_grad_after_forward_main, 2, timeout=100)):
+        assert all(facts["equal"]), f"rank {rank}: grads differ from torch DDP's: {facts['equal']}"
+        assert any(map(any, facts["written"]["torch"])) and not all(map(all, facts["written"]["torch"]))
+        assert facts["written"]["pydist"] == facts["written"]["torch"], (
+            f"rank {rank}: kept grads written again by pydist {facts['written']['pydist']}, "
+            f"by torch {facts['written']['torch']}"
+        )
+
