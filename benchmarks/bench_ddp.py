@@ -1,6 +1,6 @@
 """pydist DDP beside torch DDP: step time on 2 CPU ranks over gloo.
 
-    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json] [--chunk-ab] [--records]
+    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json] [--chunk-ab] [--set-to-none] [--records]
 
 For each model, in one run and interleaved round by round (these machines
 swing 2x between runs, so only ratios within a run mean anything):
@@ -19,7 +19,11 @@ backward (rank 0) with whole-bucket and with 4 MB chunked launches: where
 the time goes, and how much communication is exposed after autograd ends.
 
 A step is zero_grad + forward + backward (the optimizer step is the same
-for both wrappers and left out). Medians over rounds; "exposed" is a DDP
+for both wrappers and left out). zero_grad keeps the grads
+(set_to_none=False), so pydist's gradients live in their buckets (see
+[Note: resident gradients] in csrc/reducer/reducer.h); --set-to-none drops
+them every step instead (torch's default zero_grad), where pydist copies
+each gradient in and out as torch does. Medians over rounds; "exposed" is a DDP
 step minus compute: the communication (and overhead) it failed to hide.
 """
 
@@ -58,7 +62,7 @@ def _time_steps(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab):
+def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab, set_to_none):
     import pydist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -73,7 +77,7 @@ def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab):
     x = torch.randn(BATCH, IN_FEATURES[model_name], generator=torch.Generator().manual_seed(rank))
 
     def ddp_step(model):
-        model.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=set_to_none)
         model(x).sum().backward()
 
     def compute_step():
@@ -116,6 +120,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print machine-readable results only")
     parser.add_argument("--chunk-ab", action="store_true", help="also time pydist with 1 MB chunks and whole buckets")
+    parser.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True) in every step")
     parser.add_argument("--records", action="store_true", help="print per-bucket records instead of timing steps")
     args = parser.parse_args()
 
@@ -129,13 +134,16 @@ def main() -> None:
 
     results = []
     for name in MODELS:
-        per_rank = run_ranks(_rank_main, 2, args=(name, args.rounds, args.steps, args.chunk_ab), timeout=600, threads=1)
+        per_rank = run_ranks(_rank_main, 2, args=(name, args.rounds, args.steps, args.chunk_ab, args.set_to_none), timeout=600, threads=1)
         med = {mode: max(r[mode] for r in per_rank) for mode in per_rank[0]}  # the slower rank sets the pace
         results.append({"model": name, **{f"{k}_ms": v * 1e3 for k, v in med.items()}})
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"2 ranks, gloo, CPU, 1 thread/rank, batch {BATCH}; medians of {args.rounds} rounds x {args.steps} steps (ms)")
+    print(
+        f"2 ranks, gloo, CPU, 1 thread/rank, batch {BATCH}, zero_grad(set_to_none={args.set_to_none}); "
+        f"medians of {args.rounds} rounds x {args.steps} steps (ms)"
+    )
     header = f"{'model':<36} {'torch':>8} {'pydist':>8} {'compute':>8} {'allred':>8} {'pydist/torch':>13} {'torch/(c+a)':>12} {'pydist/(c+a)':>13}"
     print(header)
     for r in results:

@@ -15,6 +15,11 @@ namespace pydist {
 
 using torch::autograd::variable_list;
 
+// A .grad created during this backward (zero_grad(set_to_none=True)) moves
+// into its slot only from this size up: below it the copy back costs less
+// than giving the tensor a new storage. See [Note: resident gradients].
+constexpr size_t kMoveNewGradMinBytes = size_t{64} << 10;
+
 Reducer::Reducer(std::vector<at::Tensor> params,
                  std::vector<std::string> param_names,
                  std::vector<std::vector<int64_t>> bucket_indices,
@@ -541,7 +546,8 @@ void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tenso
     }
     at::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) grad = at::empty_like(params_[i]);  // used elsewhere, not here
-    const bool movable = resident && had_grad_[i] && grad.numel() > 0 && !grad.requires_grad() &&
+    const bool movable = resident && (had_grad_[i] || grad.nbytes() >= kMoveNewGradMinBytes) &&
+                         grad.numel() > 0 && !grad.requires_grad() &&
                          params_[i].is_contiguous() && grad.is_contiguous() &&
                          !grad.is_view() && grad.storage_offset() == 0 && grad.storage().use_count() == 1 &&
                          grad.storage().nbytes() == grad.nbytes() && !in_slot(bucket, slot, grad);

@@ -58,8 +58,9 @@
 //     shares its storage with nothing (no views of it, not a view itself, no
 //     Python storage object: a conservative test) is moved. The tensor object
 //     stays the same, so references to it stay valid; only its data_ptr
-//     changes. A .grad created during this backward (set_to_none=True) gets
-//     the usual copy back.
+//     changes. A .grad created during this backward (set_to_none=True) moves
+//     too when it is large (kMoveNewGradMinBytes), which saves the copy back
+//     though not the copy in; a small one gets the usual copy back.
 //   - A bucket's memory is reused only while no old resident gradient outlives
 //     its parameter's .grad: if the user dropped .grad but still holds the old
 //     tensor, the bucket gets a fresh buffer just before this backward first

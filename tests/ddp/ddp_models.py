@@ -10,6 +10,8 @@ The models are chosen for what they make a DDP do:
 
 - ``mlp``: plain training; several tensors of different sizes, so small
   bucket caps give several buckets.
+- ``wide``: an MLP with a 128 KB weight, above the size from which pydist
+  moves a gradient created during backward into its bucket.
 - ``branch``: a sub-module the caller can skip (``use_branch=False``), for
   ``find_unused_parameters`` with locally and globally unused parameters.
 - ``batchnorm``: running statistics buffers, for ``broadcast_buffers``.
@@ -44,6 +46,17 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(IN_FEATURES, 32)
         self.fc2 = nn.Linear(32, 16)
         self.fc3 = nn.Linear(16, OUT_FEATURES)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class WideMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(IN_FEATURES, 256)
+        self.fc2 = nn.Linear(256, 128)
+        self.fc3 = nn.Linear(128, OUT_FEATURES)
 
     def forward(self, x):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
@@ -167,6 +180,7 @@ class LinearInt(nn.Module):
 
 MODELS = {
     "mlp": MLP,
+    "wide": WideMLP,
     "branch": BranchNet,
     "batchnorm": BatchNormNet,
     "tied": TiedNet,

@@ -31,6 +31,9 @@ def test_parity_when_grads_live_across_steps(world_size):
         Scenario(optimizer="sgd", steps=5, grads_to_none=False),
         Scenario(optimizer="adam", steps=4, grads_to_none=False, micro_steps=3, seed=1),
         Scenario(model="many_tiny", steps=4, grads_to_none=False, ddp_kwargs={"bucket_cap_mb": 0.01}, seed=2),
+        # grads dropped every step: the 128 KB one moves in at each finalize
+        Scenario(model="wide", optimizer="adam", steps=4, seed=3),
+        Scenario(model="wide", steps=4, grads_to_none=False, micro_steps=2, seed=4),
     ]
     results = run_parity(scenarios, world_size)
     assert_parity(results, exact=(world_size == 2), scenarios=scenarios)
@@ -118,13 +121,14 @@ def test_grads_keep_torch_semantics():
 
 
 class _WithEmptyParam(torch.nn.Module):
-    """An MLP with a zero-size parameter in its bucket (it gets a grad of zeros)."""
+    """An MLP with a zero-size parameter in its bucket (it gets a grad of zeros)
+    and a weight large enough to move in even when its grad is new."""
 
     def __init__(self):
         super().__init__()
         from ddp_models import build_model
 
-        self.mlp = build_model("mlp")
+        self.mlp = build_model("wide")
         self.empty = torch.nn.Parameter(torch.zeros(0))
 
     def forward(self, x):
@@ -158,8 +162,13 @@ def _zero_grad_after_forward_main(rank, world_size):
     # which kept grads were written again later: torch's pattern (a kept grad
     # that stayed .grad through zero_grad(set_to_none=False) is) and pydist's
     written = {name: [[not torch.equal(g, v) for g, v in per_step] for per_step in kept[name]] for name in kept}
+    # after the last step (set_to_none=True): the new 128 KB grad moved into
+    # its bucket (a storage carved from the bucket cannot be resized), the
+    # small ones were copied back into the tensors autograd made
+    wide = models["pydist"].module.mlp
+    moved = {name: not p.grad.untyped_storage().resizable() for name, p in wide.named_parameters()}
     dist.barrier()
-    return {"equal": equal, "written": written}
+    return {"equal": equal, "written": written, "moved": moved}
 
 
 @pytest.mark.timeout(120)
@@ -167,6 +176,7 @@ def test_zero_grad_between_forward_and_backward():
     for rank, facts in enumerate(run_ranks(_zero_grad_after_forward_main, 2, timeout=100)):
         assert all(facts["equal"]), f"rank {rank}: grads differ from torch DDP's: {facts['equal']}"
         assert any(map(any, facts["written"]["torch"])) and not all(map(all, facts["written"]["torch"]))
+        assert facts["moved"] == {name: name == "fc2.weight" for name in facts["moved"]}, facts["moved"]
         assert facts["written"]["pydist"] == facts["written"]["torch"], (
             f"rank {rank}: kept grads written again by pydist {facts['written']['pydist']}, "
             f"by torch {facts['written']['torch']}"
