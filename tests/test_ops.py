@@ -54,6 +54,7 @@ def make_tensor(shape, dtype, device, contiguous, gen) -> torch.Tensor:
     return random_tensor((2 * shape[0],), dtype, gen).to(device)[::2]
 
 
+SCALES = st.sampled_from([0.5, 1 / 3, 1 / 7, 0.125, 3.0, -1 / 6])  # exact and inexact in binary
 shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple)
 big_shapes = st.tuples(st.integers(1, 5000))
 
@@ -110,7 +111,7 @@ def test_unflatten_into_matches_torch(device, case):
 @pytest.mark.parametrize("device", DEVICES)
 @EXAMPLES
 @given(case=tensor_lists(dtypes=st.sampled_from(FLOATS)),
-       scale=st.sampled_from([0.5, 1 / 3, 1 / 7, 0.125, 3.0, -1 / 6]))
+       scale=SCALES)
 def test_unflatten_into_scaled_matches_reference(device, case, scale):
     dtype, specs, seed = case
     like = build(dtype, specs, seed, device)
@@ -127,7 +128,7 @@ def test_unflatten_into_scaled_matches_reference(device, case, scale):
 @pytest.mark.parametrize("device", DEVICES)
 @EXAMPLES
 @given(case=tensor_lists(dtypes=st.sampled_from(FLOATS)),
-       scale=st.sampled_from([0.5, 1 / 3, 1 / 7, 0.125, 3.0, -1 / 6]))
+       scale=SCALES)
 def test_flatten_into_scaled_matches_reference(device, case, scale):
     # What the reducer does to gradients on their way into a bucket: torch's
     # DDP multiplies by 1/world_size while copying (at::mul_out).

@@ -31,6 +31,8 @@ The models are chosen for what they make a DDP do:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,22 +43,11 @@ OUT_FEATURES = 4
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden1: int = 32, hidden2: int = 16):
         super().__init__()
-        self.fc1 = nn.Linear(IN_FEATURES, 32)
-        self.fc2 = nn.Linear(32, 16)
-        self.fc3 = nn.Linear(16, OUT_FEATURES)
-
-    def forward(self, x):
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
-class WideMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(IN_FEATURES, 256)
-        self.fc2 = nn.Linear(256, 128)
-        self.fc3 = nn.Linear(128, OUT_FEATURES)
+        self.fc1 = nn.Linear(IN_FEATURES, hidden1)
+        self.fc2 = nn.Linear(hidden1, hidden2)
+        self.fc3 = nn.Linear(hidden2, OUT_FEATURES)
 
     def forward(self, x):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
@@ -180,7 +171,7 @@ class LinearInt(nn.Module):
 
 MODELS = {
     "mlp": MLP,
-    "wide": WideMLP,
+    "wide": functools.partial(MLP, 256, 128),
     "branch": BranchNet,
     "batchnorm": BatchNormNet,
     "tied": TiedNet,
