@@ -104,9 +104,9 @@ void scaled_copy(T* dst, const T* src, int64_t n, double scale) {
 }
 
 // float32, the gradients that matter most, gets the loop compiled for the
-// widest vector unit the CPU has (chosen when the library loads): an
-// in-place scale of a bucket slot still in cache runs at ~2x the baseline
-// SSE loop. One multiply per element either way, so the bytes are the same.
+// widest vector unit the CPU has (chosen when the library loads); the
+// baseline build is SSE only. One multiply per element either way, so the
+// bytes are the same.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif

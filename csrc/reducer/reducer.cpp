@@ -310,6 +310,15 @@ void Reducer::make_bucket_writable(Bucket& bucket) {
   }
 }
 
+bool Reducer::can_move_into_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const {
+  // The rules of [Note: resident gradients]: kept across steps (or large),
+  // a plain dense tensor that nothing else shares, not yet in its slot.
+  const int64_t i = bucket.param_indices[slot];
+  return (had_grad_[i] || grad.nbytes() >= kMoveNewGradMinBytes) && grad.numel() > 0 && !grad.requires_grad() &&
+         params_[i].is_contiguous() && grad.is_contiguous() && !grad.is_view() && grad.storage_offset() == 0 &&
+         grad.storage().use_count() == 1 && grad.storage().nbytes() == grad.nbytes() && !in_slot(bucket, slot, grad);
+}
+
 void Reducer::move_into_slot(Bucket& bucket, size_t slot, at::Tensor& grad) {
   // The slot holds the reduced gradient. `grad` (the same tensor object)
   // gets a storage of its own over exactly the slot's bytes; that storage
@@ -546,11 +555,7 @@ void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tenso
     }
     at::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) grad = at::empty_like(params_[i]);  // used elsewhere, not here
-    const bool movable = resident && (had_grad_[i] || grad.nbytes() >= kMoveNewGradMinBytes) &&
-                         grad.numel() > 0 && !grad.requires_grad() &&
-                         params_[i].is_contiguous() && grad.is_contiguous() &&
-                         !grad.is_view() && grad.storage_offset() == 0 && grad.storage().use_count() == 1 &&
-                         grad.storage().nbytes() == grad.nbytes() && !in_slot(bucket, slot, grad);
+    const bool movable = resident && can_move_into_slot(bucket, slot, grad);
     if (movable) moving.push_back(slot);
     grads.push_back(movable ? bucket.views[slot] : grad);
   }

@@ -257,6 +257,7 @@ class Reducer {
   bool in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const;
   void note_grads_before_backward();
   void make_bucket_writable(Bucket& bucket);
+  bool can_move_into_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const;
   void move_into_slot(Bucket& bucket, size_t slot, at::Tensor& grad);
   bool should_rebuild_buckets_locked() const;
   void reset_for_backward();
