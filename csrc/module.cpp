@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("first_grad_ns", &pydist::BucketRecord::first_grad_ns)
       .def_readonly("last_grad_ns", &pydist::BucketRecord::last_grad_ns)
       .def_readonly("launch_ns", &pydist::BucketRecord::launch_ns)
+      .def_readonly("complete_ns", &pydist::BucketRecord::complete_ns)
       .def_readonly("done_ns", &pydist::BucketRecord::done_ns);
   py::class_<pydist::IterationRecord>(m, "IterationRecord", "What the reducer measured in one iteration")
       .def_readonly("iteration", &pydist::IterationRecord::iteration)

@@ -75,7 +75,8 @@ def main() -> None:
     print(f"max difference between pydist replicas (rank 0 vs others): {replicas:.3g}")
     print("\nrank 0, last backward, as recorded by pydist's C++ reducer (ms since the end of forward):")
     print(ours[0][2])
-    print("'hidden' = how long the bucket's all-reduce was in flight while autograd still computed.")
+    print("'complete' = when the bucket's last all-reduce finished; 'done' = when finalize wrote it back;")
+    print("'hidden' = how long the bucket's communication ran while autograd still computed.")
 
 
 if __name__ == "__main__":

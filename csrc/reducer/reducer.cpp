@@ -256,10 +256,11 @@ void Reducer::reset_for_backward() {
     for (Chunk& chunk : bucket.chunks) {
       chunk.pending = chunk.end_slot - chunk.first_slot;
       chunk.work.reset();
+      chunk.completed_at.reset();
     }
     bucket.future.reset();
     bucket.record.first_grad_ns = bucket.record.last_grad_ns = -1;
-    bucket.record.launch_ns = bucket.record.done_ns = -1;
+    bucket.record.launch_ns = bucket.record.complete_ns = bucket.record.done_ns = -1;
   }
   if (options_.static_graph) hook_calls_left_ = hook_calls_expected_;
   if (dynamic_find_unused()) unused_params_.clear();
@@ -444,7 +445,10 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
     std::vector<at::Tensor> tensors{piece};
     chunk.work = process_group_->allreduce(tensors);
   }
-  if (options_.record_timing && bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
+  if (options_.record_timing) {
+    if (bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
+    chunk.completed_at = stamp_completion(comm_hook_ ? bucket.future : chunk.work->getFuture());
+  }
 }
 
 void Reducer::launch_local_used_allreduce() {
@@ -502,6 +506,10 @@ void Reducer::finalize_backward() {
     }
     for (const Chunk& chunk : bucket.chunks) {
       if (chunk.work) chunk.work->wait();
+      if (chunk.completed_at) {
+        chunk.completed_at->wait();
+        bucket.record.complete_ns = std::max(bucket.record.complete_ns, chunk.completed_at->value().toInt());
+      }
       finalize_chunk(bucket, chunk, result);
     }
     if (timing) bucket.record.done_ns = now_ns();
@@ -629,6 +637,19 @@ void Reducer::set_average_divisor(int64_t divisor) {
 int64_t Reducer::now_ns() const {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - backward_start_)
       .count();
+}
+
+// The time a collective finished, as seen by the thread that completed it
+// (finalize only learns it later, when it gets round to waiting): the child
+// future's value, so no state is shared with that thread.
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::stamp_completion(
+    const c10::intrusive_ptr<c10::ivalue::Future>& comm) const {
+  const auto start = backward_start_;
+  return comm->then(
+      [start](c10::ivalue::Future&) -> c10::IValue {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+      },
+      c10::IntType::get());
 }
 
 IterationRecord Reducer::last_record() const {

@@ -101,6 +101,7 @@ struct BucketRecord {
   int64_t first_grad_ns = -1;  // first of its gradients became ready
   int64_t last_grad_ns = -1;   // its last gradient became ready
   int64_t launch_ns = -1;      // its first chunk's collective (or its comm hook) was launched
+  int64_t complete_ns = -1;    // its last collective finished (stamped by the thread that completed it)
   int64_t done_ns = -1;        // finalize_backward had waited for it and written its grads back
 };
 
@@ -213,6 +214,9 @@ class Reducer {
     int64_t numel = 0;
     size_t pending = 0;     // its gradients not yet ready this iteration
     c10::intrusive_ptr<c10d::Work> work;  // its all-reduce in flight
+    // Records only: completes with the time (ns, an int) its collective
+    // finished. See stamp_completion.
+    c10::intrusive_ptr<c10::ivalue::Future> completed_at;
   };
 
   // One group of gradients: the unit comm hooks and records see.
@@ -266,6 +270,7 @@ class Reducer {
   at::Tensor& zeros_for(int64_t index);
   std::string describe_unready_params() const;
   int64_t now_ns() const;
+  c10::intrusive_ptr<c10::ivalue::Future> stamp_completion(const c10::intrusive_ptr<c10::ivalue::Future>& comm) const;
   bool static_graph_first_iteration() const { return options_.static_graph && num_iterations_ == 0; }
   bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
 

@@ -2,11 +2,12 @@
 and the overlap they imply.
 
 All times are milliseconds since the reducer was armed for backward (the end
-of forward). A bucket's all-reduce runs from ``launch_ms`` until, at the
-latest, ``done_ms`` (when finalize had waited for it and written its
-gradients back). Autograd finished at
-``backward_end_ms``; everything after it until ``finalize_end_ms`` is
-communication the backward could not hide (plus copying results back).
+of forward). A bucket's communication runs from ``launch_ms`` (its first
+collective) to ``complete_ms`` (its last collective finished, stamped by the
+thread that finished it); ``done_ms`` is when finalize had waited for it and
+written its gradients back, which is never before autograd ends at
+``backward_end_ms``. Everything from there until ``finalize_end_ms`` is
+communication the backward could not hide (plus writing results back).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ class BucketTiming:
     first_grad_ms: float  # its first gradient became ready
     last_grad_ms: float   # its last gradient became ready
     launch_ms: float      # its first collective (chunk or comm hook) was launched
+    complete_ms: float    # its last collective finished
     done_ms: float        # finalize had waited for it and written its grads back
+
+    def hidden_ms(self, backward_end_ms: float) -> float:
+        """How long its communication ran while autograd was still computing."""
+        return max(0.0, min(self.complete_ms, backward_end_ms) - self.launch_ms)
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class IterationRecord:
             finalize_end_ms=ms(record.finalize_end_ns),
             buckets=[
                 BucketTiming(b.index, b.num_params, b.bytes, ms(b.first_grad_ns), ms(b.last_grad_ns),
-                             ms(b.launch_ns), ms(b.done_ns))
+                             ms(b.launch_ns), ms(b.complete_ns), ms(b.done_ns))
                 for b in record.buckets
             ],
         )
@@ -54,21 +60,22 @@ class IterationRecord:
         return self.finalize_end_ms - self.backward_end_ms
 
     @property
-    def comm_in_flight_during_backward_ms(self) -> float:
-        """Sum over buckets of how long each all-reduce was in flight while
-        autograd was still computing: the communication given a chance to hide."""
-        return sum(max(0.0, self.backward_end_ms - b.launch_ms) for b in self.buckets)
+    def comm_hidden_ms(self) -> float:
+        """Sum over buckets of how long each one's communication ran while
+        autograd was still computing."""
+        return sum(b.hidden_ms(self.backward_end_ms) for b in self.buckets)
 
     def report(self) -> str:
         lines = [
             f"iteration {self.iteration}: backward ended at {self.backward_end_ms:.2f} ms, "
             f"grads ready at {self.finalize_end_ms:.2f} ms (exposed communication {self.exposed_comm_ms:.2f} ms)",
-            f"{'bucket':>6} {'params':>6} {'MB':>8} {'1st grad':>9} {'last grad':>9} {'launch':>9} {'done':>9} {'hidden':>8}",
+            f"{'bucket':>6} {'params':>6} {'MB':>8} {'1st grad':>9} {'last grad':>9} {'launch':>9} "
+            f"{'complete':>9} {'done':>9} {'hidden':>8}",
         ]
         for b in self.buckets:
-            hidden = max(0.0, self.backward_end_ms - b.launch_ms)
             lines.append(
                 f"{b.index:>6} {b.num_params:>6} {b.bytes / 2**20:>8.2f} {b.first_grad_ms:>9.2f} "
-                f"{b.last_grad_ms:>9.2f} {b.launch_ms:>9.2f} {b.done_ms:>9.2f} {hidden:>8.2f}"
+                f"{b.last_grad_ms:>9.2f} {b.launch_ms:>9.2f} {b.complete_ms:>9.2f} {b.done_ms:>9.2f} "
+                f"{b.hidden_ms(self.backward_end_ms):>8.2f}"
             )
         return "\n".join(lines)

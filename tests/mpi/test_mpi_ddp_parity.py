@@ -84,3 +84,18 @@ def test_pydist_ddp_on_mpi4py_matches_torch_ddp_on_gloo(world, gloo):
     # pydist's C++ reducer called into the Python group, one all-reduce per bucket.
     assert mpi_group.issued_["allreduce"] - issued_before >= STEPS
     assert_same_training(trace_pydist, trace_torch, model_pydist, model_torch)
+
+
+def test_pydist_records_on_mpi4py(world):
+    # The reducer stamps completion from the future of the Python group's work.
+    import pydist
+
+    ddp = pydist.DistributedDataParallel(make_model(), bucket_cap_mb=0.001, record_timing=True)
+    for step in range(2):
+        x, y = batch(step, world.rank)
+        ddp.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+    record = ddp.last_iteration_record()
+    assert record.buckets
+    for b in record.buckets:
+        assert 0 <= b.launch_ms <= b.complete_ms <= b.done_ms <= record.finalize_end_ms, b
