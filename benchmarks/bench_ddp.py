@@ -1,6 +1,6 @@
 """pydist DDP beside torch DDP: step time on 2 CPU ranks over gloo.
 
-    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json] [--chunk-ab] [--set-to-none] [--records]
+    python benchmarks/bench_ddp.py [--rounds 7] [--steps 5] [--json] [--chunk-ab] [--set-to-none] [--records] [--cpu]
 
 For each model, in one run and interleaved round by round (these machines
 swing 2x between runs, so only ratios within a run mean anything):
@@ -14,9 +14,17 @@ swing 2x between runs, so only ratios within a run mean anything):
 (allreduce_chunk_mb=0) beside the default 4 MB chunks (see [Note: chunked
 launches] in csrc/reducer/reducer.h).
 
+--cpu splits each mode's step into CPU time of the autograd thread, CPU
+time of the rank's other threads (gloo's) and idle time (wall minus both:
+none of the rank's threads running, blocked or waiting for a core). With 2
+ranks on 2 cores, communication that overlap hides must show up as less
+idle; CPU work can only move, not vanish.
+
 --records prints, for each model, the reducer's per-bucket record of one
-backward (rank 0) with whole-bucket and with 4 MB chunked launches: where
-the time goes, and how much communication is exposed after autograd ends.
+backward on each rank, with whole-bucket and with 4 MB chunked launches:
+where the time goes, when each bucket's communication really completed, how
+much is exposed after autograd ends, and how far the ranks drift apart (a
+collective completes only once the slower rank has launched it).
 
 A step is zero_grad + forward + backward (the optimizer step is the same
 for both wrappers and left out). zero_grad keeps the grads
@@ -54,12 +62,16 @@ IN_FEATURES = {"8x Linear(1024,1024)+ReLU": 1024, "400x (Linear(64,64)+LayerNorm
 BATCH = 64
 
 
-def _time_steps(step, steps: int) -> float:
+def _time_steps(step, steps: int) -> tuple[float, float, float]:
+    """Per step: wall time, CPU time of this (the autograd) thread, and CPU
+    time of every other thread of the rank (gloo's, for DDP modes)."""
     dist.barrier()
-    start = time.perf_counter()
+    wall, main, process = time.perf_counter(), time.thread_time(), time.process_time()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps
+    main = time.thread_time() - main
+    process = time.process_time() - process
+    return (time.perf_counter() - wall) / steps, main / steps, (process - main) / steps
 
 
 def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab, set_to_none):
@@ -92,11 +104,11 @@ def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab, set_to_non
     for step in modes.values():  # warm up; buckets get rebuilt here
         for _ in range(3):
             step()
-    times: dict[str, list[float]] = {name: [] for name in modes}
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in modes}
     for _ in range(rounds):
         for name, step in modes.items():
             times[name].append(_time_steps(step, steps))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: tuple(statistics.median(part) for part in zip(*ts)) for name, ts in times.items()}
 
 
 def _records_main(rank, world_size, model_name, steps):
@@ -122,21 +134,28 @@ def main() -> None:
     parser.add_argument("--chunk-ab", action="store_true", help="also time pydist with 1 MB chunks and whole buckets")
     parser.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True) in every step")
     parser.add_argument("--records", action="store_true", help="print per-bucket records instead of timing steps")
+    parser.add_argument("--cpu", action="store_true", help="also print where each mode's CPU time went")
     args = parser.parse_args()
 
     if args.records:
         for name in MODELS:
-            reports = run_ranks(_records_main, 2, args=(name, 6), timeout=600, threads=1)[0]
-            for chunk_mb, report in reports.items():
+            per_rank = run_ranks(_records_main, 2, args=(name, 6), timeout=600, threads=1)
+            for chunk_mb in per_rank[0]:
                 launches = "whole buckets" if chunk_mb == 0 else f"{chunk_mb} MB chunks"
-                print(f"# {name}, {launches}, rank 0\n{report}\n")
+                for rank, reports in enumerate(per_rank):
+                    print(f"# {name}, {launches}, rank {rank}\n{reports[chunk_mb]}\n")
         return
 
     results = []
     for name in MODELS:
         per_rank = run_ranks(_rank_main, 2, args=(name, args.rounds, args.steps, args.chunk_ab, args.set_to_none), timeout=600, threads=1)
-        med = {mode: max(r[mode] for r in per_rank) for mode in per_rank[0]}  # the slower rank sets the pace
-        results.append({"model": name, **{f"{k}_ms": v * 1e3 for k, v in med.items()}})
+        result = {"model": name}
+        for mode in per_rank[0]:
+            result[f"{mode}_ms"] = max(r[mode][0] for r in per_rank) * 1e3  # the slower rank sets the pace
+            result[f"{mode}_cpu_autograd_ms"] = statistics.mean(r[mode][1] for r in per_rank) * 1e3
+            result[f"{mode}_cpu_other_ms"] = statistics.mean(r[mode][2] for r in per_rank) * 1e3
+            result[f"{mode}_idle_ms"] = statistics.mean(r[mode][0] - r[mode][1] - r[mode][2] for r in per_rank) * 1e3
+        results.append(result)
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -153,6 +172,16 @@ def main() -> None:
             f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['torch_ms'] / serial:>12.3f} "
             f"{r['pydist_ms'] / serial:>13.3f}"
         )
+    if args.cpu:
+        print("\nCPU per step, mean over ranks of each rank's medians (ms): the autograd thread, the rank's")
+        print("other threads (gloo's), and idle: wall time with none of them running (blocked, or waiting for a core)")
+        print(f"{'model':<36} {'mode':<13} {'autograd':>9} {'other':>8} {'idle':>8}")
+        for r in results:
+            for mode in [k[: -len("_idle_ms")] for k in r if k.endswith("_idle_ms")]:
+                print(
+                    f"{r['model']:<36} {mode:<13} {r[f'{mode}_cpu_autograd_ms']:>9.2f} "
+                    f"{r[f'{mode}_cpu_other_ms']:>8.2f} {r[f'{mode}_idle_ms']:>8.2f}"
+                )
     if args.chunk_ab:
         print("\npydist / torch by all-reduce chunk size (same run)")
         print(f"{'model':<36} {'4 MB (default)':>15} {'1 MB':>8} {'whole':>8}")
