@@ -101,7 +101,10 @@ struct BucketRecord {
   int64_t first_grad_ns = -1;  // first of its gradients became ready
   int64_t last_grad_ns = -1;   // its last gradient became ready
   int64_t launch_ns = -1;      // its first chunk's collective (or its comm hook) was launched
-  int64_t complete_ns = -1;    // its last collective finished (stamped by the thread that completed it)
+  // Its last collective finished, stamped by the thread that completed it.
+  // NCCL marks its futures complete once the kernels are enqueued (streams
+  // then order the rest), so on CUDA this is the enqueue, not the finish.
+  int64_t complete_ns = -1;
   int64_t done_ns = -1;        // finalize_backward had waited for it and written its grads back
 };
 

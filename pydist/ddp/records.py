@@ -8,6 +8,8 @@ thread that finished it); ``done_ms`` is when finalize had waited for it and
 written its gradients back, which is never before autograd ends at
 ``backward_end_ms``. Everything from there until ``finalize_end_ms`` is
 communication the backward could not hide (plus writing results back).
+On NCCL a collective's future completes once its kernels are enqueued, so
+there ``complete_ms`` marks the enqueue, not the end of the transfer.
 """
 
 from __future__ import annotations
