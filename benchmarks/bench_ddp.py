@@ -18,7 +18,14 @@ launches] in csrc/reducer/reducer.h).
 time of the rank's other threads (gloo's) and idle time (wall minus both:
 none of the rank's threads running, blocked or waiting for a core). With 2
 ranks on 2 cores, communication that overlap hides must show up as less
-idle; CPU work can only move, not vanish.
+idle; CPU work can only move, not vanish. It also gives each thread class's
+time in the kernel (gloo's loopback TCP copies are mostly that), the
+autograd thread's minor page faults (fresh memory the allocator had given
+back) and the rank's context switches.
+
+Beside pydist / torch (the ratio of the two medians) the table gives
+"paired": the median over rounds of pydist / torch within a round, where the
+two ran back to back, so a stretch of slow machine weighs on both.
 
 --records prints, for each model, the reducer's per-bucket record of one
 backward on each rank, with whole-bucket and with 4 MB chunked launches:
@@ -40,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -62,16 +70,40 @@ IN_FEATURES = {"8x Linear(1024,1024)+ReLU": 1024, "400x (Linear(64,64)+LayerNorm
 BATCH = 64
 
 
-def _time_steps(step, steps: int) -> tuple[float, float, float]:
-    """Per step: wall time, CPU time of this (the autograd) thread, and CPU
-    time of every other thread of the rank (gloo's, for DDP modes)."""
+# What _time_steps measures per step, in this order; the *_ms fields in seconds
+# until the parent turns them into ms.
+FIELDS = ("wall_ms", "cpu_autograd_ms", "cpu_other_ms", "cpu_autograd_sys_ms", "cpu_other_sys_ms", "autograd_faults", "switches")
+
+
+def _usage() -> tuple[float, ...]:
+    """Wall clock, then CPU (user+sys), sys and minor page faults of this
+    (the autograd) thread and of the whole process, and the process's context
+    switches. getrusage splits user from sys at the kernel's tick
+    resolution but keeps their sum exact."""
+    me = resource.getrusage(resource.RUSAGE_THREAD)
+    proc = resource.getrusage(resource.RUSAGE_SELF)
+    return (
+        time.perf_counter(),
+        me.ru_utime + me.ru_stime,
+        proc.ru_utime + proc.ru_stime,
+        me.ru_stime,
+        proc.ru_stime,
+        me.ru_minflt,
+        proc.ru_nvcsw + proc.ru_nivcsw,
+    )
+
+
+def _time_steps(step, steps: int) -> tuple[float, ...]:
+    """Per step, FIELDS: wall time; CPU time of this (the autograd) thread
+    and of every other thread of the rank (gloo's, for DDP modes); the sys
+    part of each; the autograd thread's minor page faults; the rank's
+    context switches."""
     dist.barrier()
-    wall, main, process = time.perf_counter(), time.thread_time(), time.process_time()
+    before = _usage()
     for _ in range(steps):
         step()
-    main = time.thread_time() - main
-    process = time.process_time() - process
-    return (time.perf_counter() - wall) / steps, main / steps, (process - main) / steps
+    wall, me, proc, me_sys, proc_sys, faults, switches = (b - a for a, b in zip(before, _usage()))
+    return tuple(v / steps for v in (wall, me, proc - me, me_sys, proc_sys - me_sys, faults, switches))
 
 
 def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab, set_to_none):
@@ -104,11 +136,36 @@ def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab, set_to_non
     for step in modes.values():  # warm up; buckets get rebuilt here
         for _ in range(3):
             step()
-    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in modes}
+    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in modes}
     for _ in range(rounds):
         for name, step in modes.items():
             times[name].append(_time_steps(step, steps))
-    return {name: tuple(statistics.median(part) for part in zip(*ts)) for name, ts in times.items()}
+    return times
+
+
+def _summarize(name: str, per_rank: list[dict[str, list[tuple[float, ...]]]]) -> dict:
+    """One model's figures from every rank's per-round FIELDS.
+
+    A mode's step time is the median over rounds of the slower rank's time
+    (the slower rank sets the pace). The CPU figures are each rank's medians,
+    averaged over ranks. ``paired`` is the median over rounds of pydist / torch
+    within the round: the two run back to back, so a machine that slows down
+    for a while slows both, and the ratio keeps less of that noise than the
+    ratio of the medians does."""
+    result = {"model": name}
+    for mode in per_rank[0]:
+        rounds = [list(zip(*r[mode])) for r in per_rank]  # rank -> field -> per-round values
+        slower = [max(vals) for vals in zip(*(fields[0] for fields in rounds))]
+        result[f"{mode}_ms"] = statistics.median(slower) * 1e3
+        medians = [[statistics.median(f) for f in fields] for fields in rounds]
+        mean = {field: statistics.mean(m[i] for m in medians) for i, field in enumerate(FIELDS)}
+        for field in FIELDS[1:]:
+            result[f"{mode}_{field}"] = mean[field] * (1e3 if field.endswith("_ms") else 1)
+        result[f"{mode}_idle_ms"] = (mean["wall_ms"] - mean["cpu_autograd_ms"] - mean["cpu_other_ms"]) * 1e3
+        result[f"_{mode}_slower"] = slower
+    for mode in [m for m in per_rank[0] if m.startswith("pydist")]:
+        result[f"{mode}_paired"] = statistics.median(p / t for p, t in zip(result[f"_{mode}_slower"], result["_torch_slower"]))
+    return {k: v for k, v in result.items() if not k.startswith("_")}
 
 
 def _records_main(rank, world_size, model_name, steps):
@@ -149,13 +206,7 @@ def main() -> None:
     results = []
     for name in MODELS:
         per_rank = run_ranks(_rank_main, 2, args=(name, args.rounds, args.steps, args.chunk_ab, args.set_to_none), timeout=600, threads=1)
-        result = {"model": name}
-        for mode in per_rank[0]:
-            result[f"{mode}_ms"] = max(r[mode][0] for r in per_rank) * 1e3  # the slower rank sets the pace
-            result[f"{mode}_cpu_autograd_ms"] = statistics.mean(r[mode][1] for r in per_rank) * 1e3
-            result[f"{mode}_cpu_other_ms"] = statistics.mean(r[mode][2] for r in per_rank) * 1e3
-            result[f"{mode}_idle_ms"] = statistics.mean(r[mode][0] - r[mode][1] - r[mode][2] for r in per_rank) * 1e3
-        results.append(result)
+        results.append(_summarize(name, per_rank))
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -163,24 +214,30 @@ def main() -> None:
         f"2 ranks, gloo, CPU, 1 thread/rank, batch {BATCH}, zero_grad(set_to_none={args.set_to_none}); "
         f"medians of {args.rounds} rounds x {args.steps} steps (ms)"
     )
-    header = f"{'model':<36} {'torch':>8} {'pydist':>8} {'compute':>8} {'allred':>8} {'pydist/torch':>13} {'torch/(c+a)':>12} {'pydist/(c+a)':>13}"
+    header = f"{'model':<36} {'torch':>8} {'pydist':>8} {'compute':>8} {'allred':>8} {'pydist/torch':>13} {'paired':>7} {'torch/(c+a)':>12} {'pydist/(c+a)':>13}"
     print(header)
     for r in results:
         serial = r["compute_ms"] + r["allreduce_ms"]
         print(
             f"{r['model']:<36} {r['torch_ms']:>8.2f} {r['pydist_ms']:>8.2f} {r['compute_ms']:>8.2f} "
-            f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['torch_ms'] / serial:>12.3f} "
+            f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['pydist_paired']:>7.3f} {r['torch_ms'] / serial:>12.3f} "
             f"{r['pydist_ms'] / serial:>13.3f}"
         )
     if args.cpu:
-        print("\nCPU per step, mean over ranks of each rank's medians (ms): the autograd thread, the rank's")
-        print("other threads (gloo's), and idle: wall time with none of them running (blocked, or waiting for a core)")
-        print(f"{'model':<36} {'mode':<13} {'autograd':>9} {'other':>8} {'idle':>8}")
+        print("\nCPU per step, mean over ranks of each rank's medians (ms): the autograd thread and the")
+        print("rank's other threads (gloo's), each with its part in the kernel (sys); idle: wall time with")
+        print("none of them running (blocked, or waiting for a core); the autograd thread's minor page")
+        print("faults and the rank's context switches, per step")
+        print(
+            f"{'model':<36} {'mode':<13} {'autograd':>9} {'(sys)':>7} {'other':>8} {'(sys)':>7} {'idle':>8} "
+            f"{'faults':>7} {'switches':>9}"
+        )
         for r in results:
             for mode in [k[: -len("_idle_ms")] for k in r if k.endswith("_idle_ms")]:
                 print(
-                    f"{r['model']:<36} {mode:<13} {r[f'{mode}_cpu_autograd_ms']:>9.2f} "
-                    f"{r[f'{mode}_cpu_other_ms']:>8.2f} {r[f'{mode}_idle_ms']:>8.2f}"
+                    f"{r['model']:<36} {mode:<13} {r[f'{mode}_cpu_autograd_ms']:>9.2f} {r[f'{mode}_cpu_autograd_sys_ms']:>7.2f} "
+                    f"{r[f'{mode}_cpu_other_ms']:>8.2f} {r[f'{mode}_cpu_other_sys_ms']:>7.2f} {r[f'{mode}_idle_ms']:>8.2f} "
+                    f"{r[f'{mode}_autograd_faults']:>7.0f} {r[f'{mode}_switches']:>9.0f}"
                 )
     if args.chunk_ab:
         print("\npydist / torch by all-reduce chunk size (same run)")
