@@ -38,6 +38,7 @@ demo: install
 bench: install
 	$(PYTHON) benchmarks/bench_flatten.py
 	$(PYTHON) benchmarks/bench_collectives.py
+	$(PYTHON) benchmarks/bench_ddp.py
 
 clean:
 	rm -rf build pydist/_C*.so *.egg-info
