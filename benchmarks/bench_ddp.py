@@ -153,19 +153,18 @@ def _summarize(name: str, per_rank: list[dict[str, list[tuple[float, ...]]]]) ->
     for a while slows both, and the ratio keeps less of that noise than the
     ratio of the medians does."""
     result = {"model": name}
+    slower: dict[str, list[float]] = {}  # mode -> per round, the slower rank's wall time
     for mode in per_rank[0]:
-        rounds = [list(zip(*r[mode])) for r in per_rank]  # rank -> field -> per-round values
-        slower = [max(vals) for vals in zip(*(fields[0] for fields in rounds))]
-        result[f"{mode}_ms"] = statistics.median(slower) * 1e3
-        medians = [[statistics.median(f) for f in fields] for fields in rounds]
-        mean = {field: statistics.mean(m[i] for m in medians) for i, field in enumerate(FIELDS)}
+        fields = [list(zip(*r[mode])) for r in per_rank]  # rank -> field -> per-round values
+        slower[mode] = [max(walls) for walls in zip(*(f[0] for f in fields))]
+        result[f"{mode}_ms"] = statistics.median(slower[mode]) * 1e3
+        mean = {field: statistics.mean(statistics.median(f[i]) for f in fields) for i, field in enumerate(FIELDS)}
         for field in FIELDS[1:]:
             result[f"{mode}_{field}"] = mean[field] * (1e3 if field.endswith("_ms") else 1)
         result[f"{mode}_idle_ms"] = (mean["wall_ms"] - mean["cpu_autograd_ms"] - mean["cpu_other_ms"]) * 1e3
-        result[f"_{mode}_slower"] = slower
-    for mode in [m for m in per_rank[0] if m.startswith("pydist")]:
-        result[f"{mode}_paired"] = statistics.median(p / t for p, t in zip(result[f"_{mode}_slower"], result["_torch_slower"]))
-    return {k: v for k, v in result.items() if not k.startswith("_")}
+    for mode in [m for m in slower if m.startswith("pydist")]:
+        result[f"{mode}_paired"] = statistics.median(p / t for p, t in zip(slower[mode], slower["torch"]))
+    return result
 
 
 def _records_main(rank, world_size, model_name, steps):
