@@ -6,8 +6,8 @@ the thread that completed it) and when finalize wrote it back. These tests
 hold the record to what happened: every parameter and byte is accounted
 for, the events are in causal order, and the completion time is the
 collective's own, not the moment finalize got round to waiting for it. A
-backward that sleeps at its very end (after every bucket but the last has
-were ready) separates the two: a stamp taken by finalize would fall after the
+backward that sleeps at its very end (once every gradient is ready)
+separates the two: a stamp taken by finalize would fall after the
 sleep.
 """
 
