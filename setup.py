@@ -113,7 +113,8 @@ def extension():
     kwargs = dict(
         name="pydist._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_link_args=["-fopenmp"],
+        # librt: shm_open for glibc before 2.34 (csrc/shm); a stub after.
+        extra_link_args=["-fopenmp", "-lrt"],
     )
     if with_cuda:
         # Files ending _selftest.cu are standalone executables (they have a

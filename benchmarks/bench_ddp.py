@@ -6,9 +6,14 @@ For each model, in one run and interleaved round by round (these machines
 swing 2x between runs, so only ratios within a run mean anything):
 
     torch      torch.nn.parallel.DistributedDataParallel step
-    pydist     pydist.DistributedDataParallel step
+    pydist     pydist.DistributedDataParallel step (its default: buckets
+               all-reduced through shared memory, the ranks sharing this host)
+    pydist_pg  the same with shm_allreduce=False: buckets all-reduced on the
+               gloo process group, as torch's are
     compute    the same step under no_sync (no communication at all)
-    allreduce  one flat all-reduce of all the model's gradients
+    allreduce  one flat gloo all-reduce of all the model's gradients
+
+See [Note: which transport] in csrc/reducer/reducer.h.
 
 --chunk-ab adds pydist with 1 MB all-reduce chunks and with whole buckets
 (allreduce_chunk_mb=0) beside the default 4 MB chunks (see [Note: chunked
@@ -113,7 +118,8 @@ def _rank_main(rank, world_size, model_name, rounds, steps, chunk_ab, set_to_non
     torch.manual_seed(0)
     wrapped = {
         "torch": TorchDDP(MODELS[model_name]()),
-        "pydist": pydist.DistributedDataParallel(MODELS[model_name]()),
+        "pydist": pydist.DistributedDataParallel(MODELS[model_name](), shm_allreduce=True),
+        "pydist_pg": pydist.DistributedDataParallel(MODELS[model_name](), shm_allreduce=False),
     }
     if chunk_ab:
         wrapped["pydist_1mb"] = pydist.DistributedDataParallel(MODELS[model_name](), allreduce_chunk_mb=1)
@@ -211,16 +217,19 @@ def main() -> None:
         return
     print(
         f"2 ranks, gloo, CPU, 1 thread/rank, batch {BATCH}, zero_grad(set_to_none={args.set_to_none}); "
-        f"medians of {args.rounds} rounds x {args.steps} steps (ms)"
+        f"medians of {args.rounds} rounds x {args.steps} steps (ms); pydist: shared memory, pydist_pg: gloo"
     )
-    header = f"{'model':<36} {'torch':>8} {'pydist':>8} {'compute':>8} {'allred':>8} {'pydist/torch':>13} {'paired':>7} {'torch/(c+a)':>12} {'pydist/(c+a)':>13}"
+    header = (
+        f"{'model':<36} {'torch':>8} {'pydist':>8} {'pydist_pg':>9} {'compute':>8} {'allred':>8} {'pydist/torch':>13} "
+        f"{'paired':>7} {'pydist_pg/torch':>16} {'torch/(c+a)':>12} {'pydist/(c+a)':>13}"
+    )
     print(header)
     for r in results:
         serial = r["compute_ms"] + r["allreduce_ms"]
         print(
-            f"{r['model']:<36} {r['torch_ms']:>8.2f} {r['pydist_ms']:>8.2f} {r['compute_ms']:>8.2f} "
-            f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['pydist_paired']:>7.3f} {r['torch_ms'] / serial:>12.3f} "
-            f"{r['pydist_ms'] / serial:>13.3f}"
+            f"{r['model']:<36} {r['torch_ms']:>8.2f} {r['pydist_ms']:>8.2f} {r['pydist_pg_ms']:>9.2f} {r['compute_ms']:>8.2f} "
+            f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['pydist_paired']:>7.3f} "
+            f"{r['pydist_pg_ms'] / r['torch_ms']:>16.3f} {r['torch_ms'] / serial:>12.3f} {r['pydist_ms'] / serial:>13.3f}"
         )
     if args.cpu:
         print("\nCPU per step, mean over ranks of each rank's medians (ms): the autograd thread and the")

@@ -45,11 +45,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Methods that wait on collectives release the GIL: a process group written
   // in Python (the mpi4py backend) needs it to make progress.
   auto nogil = py::call_guard<py::gil_scoped_release>();
+  using pydist::ShmAllreduce;
+  py::class_<ShmAllreduce, std::shared_ptr<ShmAllreduce>>(
+      m, "ShmAllreduce", "All-reduce through shared memory for ranks on one host (csrc/shm/shm_allreduce.h)")
+      .def(py::init([](std::string name, int64_t rank, int64_t world_size, bool create, double timeout_s) {
+             return std::make_shared<ShmAllreduce>(std::move(name), rank, world_size, create,
+                                                   std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3)));
+           }),
+           py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("create"), py::arg("timeout_s"), nogil)
+      .def("unlink", &ShmAllreduce::unlink)
+      .def(
+          "allreduce_",
+          [](ShmAllreduce& self, at::Tensor tensor, double scale) {
+            auto future = self.allreduce(tensor, scale);
+            future->wait();
+            if (future->hasError()) std::rethrow_exception(future->exception_ptr());
+            return tensor;
+          },
+          py::arg("tensor"), py::arg("scale") = 1.0, nogil,
+          "Sum of every rank's tensor times scale, in place; blocks until done")
+      .def_static("supports", &ShmAllreduce::supports, py::arg("dtype"))
+      .def_property_readonly("name", &ShmAllreduce::name)
+      .def_property_readonly("rank", &ShmAllreduce::rank)
+      .def_property_readonly("world_size", &ShmAllreduce::world_size);
+
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer", "The C++ gradient reducer (csrc/reducer/reducer.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets, c10::intrusive_ptr<c10d::ProcessGroup> pg,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool record_timing, int64_t chunk_bytes) {
+                       bool record_timing, int64_t chunk_bytes, std::shared_ptr<ShmAllreduce> shm) {
              pydist::ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
@@ -57,12 +81,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.record_timing = record_timing;
              options.chunk_bytes = chunk_bytes;
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
-                                              std::move(pg), options);
+                                              std::move(pg), options, std::move(shm));
            }),
            py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("static_graph") = false, py::arg("record_timing") = false,
-           py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes)
+           py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes, py::arg("shm") = nullptr)
       .def("initialize_buckets", &Reducer::initialize_buckets, nogil)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, nogil)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, nogil)

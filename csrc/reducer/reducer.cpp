@@ -24,12 +24,18 @@ Reducer::Reducer(std::vector<at::Tensor> params,
                  std::vector<std::string> param_names,
                  std::vector<std::vector<int64_t>> bucket_indices,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                 ReducerOptions options)
+                 ReducerOptions options,
+                 std::shared_ptr<ShmAllreduce> shm)
     : params_(std::move(params)),
       param_names_(std::move(param_names)),
       process_group_(std::move(process_group)),
+      shm_(std::move(shm)),
       options_(options) {
   TORCH_CHECK(process_group_, "Reducer: process_group is None");
+  TORCH_CHECK(!shm_ || (shm_->rank() == process_group_->getRank() && shm_->world_size() == process_group_->getSize()),
+              "Reducer: the shared-memory transport is rank ", shm_ ? shm_->rank() : 0, " of ",
+              shm_ ? shm_->world_size() : 0, ", the process group rank ", process_group_->getRank(), " of ",
+              process_group_->getSize());
   TORCH_CHECK(params_.size() == param_names_.size(), "Reducer: got ", params_.size(),
               " parameters but ", param_names_.size(), " names");
   const auto n = static_cast<int64_t>(params_.size());
@@ -45,6 +51,9 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = params_[i];
     TORCH_CHECK(p.requires_grad(), "Reducer: parameter ", param_names_[i], " does not require grad");
+    TORCH_CHECK(!shm_ || (p.is_cpu() && ShmAllreduce::supports(p.scalar_type())), "Reducer: parameter ",
+                param_names_[i], " (", p.scalar_type(), " on ", p.device(),
+                ") cannot go through the shared-memory transport");
     AccumulatorPtr accumulator = torch::autograd::impl::grad_accumulator(p);
     TORCH_CHECK(accumulator, "Reducer: parameter ", param_names_[i],
                 " has no gradient accumulator (it is not a leaf tensor)");
@@ -256,6 +265,7 @@ void Reducer::reset_for_backward() {
     for (Chunk& chunk : bucket.chunks) {
       chunk.pending = chunk.end_slot - chunk.first_slot;
       chunk.work.reset();
+      chunk.shm_work.reset();
       chunk.completed_at.reset();
     }
     bucket.future.reset();
@@ -410,6 +420,9 @@ at::Tensor& Reducer::zeros_for(int64_t index) {
 void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
   if (chunk.first_slot == 0 && resident_grads()) make_bucket_writable(bucket);
   at::Tensor piece = bucket.buffer.narrow(0, chunk.offset, chunk.numel);
+  // The average is taken here, on the way into the bucket, unless a comm hook
+  // takes it or the shm transport does: [Note: averaging], [Note: which transport].
+  const double scale_in = comm_hook_ || shm_transport() ? 1.0 : average_scale_;
   if (options_.gradient_as_bucket_view) {
     // Gradients accumulate straight into the bucket once they are its views;
     // one that is not yet (first iteration, or set to None) moves in now.
@@ -422,7 +435,7 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
         grad = bucket.views[slot];
       }
     }
-    if (!comm_hook_) piece.mul_(average_scale_);  // see [Note: averaging]
+    if (scale_in != 1.0) piece.mul_(scale_in);
   } else {
     std::vector<at::Tensor> grads;
     grads.reserve(chunk.end_slot - chunk.first_slot);
@@ -431,7 +444,7 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
       const at::Tensor& grad = params_[i].grad();
       grads.push_back(grad.defined() ? grad : zeros_for(i));
     }
-    ops::flatten_into(grads, piece, comm_hook_ ? 1.0 : average_scale_);  // see [Note: averaging]
+    ops::flatten_into(grads, piece, scale_in);
   }
 
   if (comm_hook_) {  // a hook's bucket is one chunk: see split_into_chunks
@@ -441,13 +454,16 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
     c10d::GradBucket grad_bucket(bucket_index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.lengths,
                                  bucket.sizes, std::move(bucket_params), std::nullopt);
     bucket.future = comm_hook_->runHook(grad_bucket);
+  } else if (shm_transport()) {
+    chunk.shm_work = shm_->allreduce(piece, average_scale_);
   } else {
     std::vector<at::Tensor> tensors{piece};
     chunk.work = process_group_->allreduce(tensors);
   }
   if (options_.record_timing) {
     if (bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
-    chunk.completed_at = stamp_completion(comm_hook_ ? bucket.future : chunk.work->getFuture());
+    chunk.completed_at =
+        stamp_completion(comm_hook_ ? bucket.future : chunk.shm_work ? chunk.shm_work : chunk.work->getFuture());
   }
 }
 
@@ -506,6 +522,10 @@ void Reducer::finalize_backward() {
     }
     for (const Chunk& chunk : bucket.chunks) {
       if (chunk.work) chunk.work->wait();
+      if (chunk.shm_work) {
+        chunk.shm_work->wait();
+        if (chunk.shm_work->hasError()) std::rethrow_exception(chunk.shm_work->exception_ptr());
+      }
       if (chunk.completed_at) {
         chunk.completed_at->wait();
         bucket.record.complete_ns = std::max(bucket.record.complete_ns, chunk.completed_at->value().toInt());
@@ -587,7 +607,7 @@ void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tenso
 void Reducer::match_all_reduce_for_bwd_pass() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;  // comm hooks' and the shm transport's
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
     at::Tensor zeros = at::zeros_like(bucket.buffer);
@@ -598,9 +618,14 @@ void Reducer::match_all_reduce_for_bwd_pass() {
                                    std::move(bucket_params), std::nullopt);
       futures.push_back(comm_hook_->runHook(grad_bucket));
     } else {
-      for (const Chunk& chunk : bucket.chunks) {  // the same pieces active ranks launch
-        std::vector<at::Tensor> tensors{zeros.narrow(0, chunk.offset, chunk.numel)};
-        works.push_back(process_group_->allreduce(tensors));
+      for (const Chunk& chunk : bucket.chunks) {  // the same pieces, on the same transport, as active ranks
+        at::Tensor piece = zeros.narrow(0, chunk.offset, chunk.numel);
+        if (shm_transport()) {
+          futures.push_back(shm_->allreduce(piece, 1.0));
+        } else {
+          std::vector<at::Tensor> tensors{piece};
+          works.push_back(process_group_->allreduce(tensors));
+        }
       }
     }
   }

@@ -72,6 +72,17 @@
 //     caching allocator ignores record_stream on a storage it did not
 //     allocate, and the CUDA flatten does not skip segments already in place,
 //     so there it would cost safety and gain nothing.
+//
+// [Note: which transport]
+// A chunk is all-reduced on the process group, unless the wrapper handed the
+// reducer a ShmAllreduce (CPU buckets, every rank of the group on one host:
+// pydist/ddp/shm_transport.py decides). Then chunks go through shared memory
+// instead of gloo's loopback TCP (see [Note: shared-memory all-reduce] in
+// shm/shm_allreduce.h), and the 1/world_size of [Note: averaging] is applied
+// by the transport as it copies, so a resident gradient is not touched at
+// all before its chunk launches. Everything else (the unused-parameter map,
+// comm hooks, buffers) stays on the process group; each transport keeps its
+// own order, the same on every rank.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -89,6 +100,8 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "shm/shm_allreduce.h"
 
 namespace pydist {
 
@@ -135,13 +148,17 @@ class Reducer {
   // Takes the model's parameters (those that require grad, in model order),
   // their names (for error messages), the initial bucket assignment (lists of
   // parameter indices, in launch order; every parameter exactly once; one
-  // dtype and device per bucket) and the group to reduce over. Registers a
-  // post-hook on each parameter's gradient accumulator.
+  // dtype and device per bucket) and the group to reduce over. `shm`, if not
+  // null, carries the chunk all-reduces instead of the group: it must span
+  // the same ranks, and every parameter must be a CPU tensor of a dtype it
+  // supports (see [Note: which transport]). Registers a post-hook on each
+  // parameter's gradient accumulator.
   Reducer(std::vector<at::Tensor> params,
           std::vector<std::string> param_names,
           std::vector<std::vector<int64_t>> bucket_indices,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-          ReducerOptions options);
+          ReducerOptions options,
+          std::shared_ptr<ShmAllreduce> shm = nullptr);
 
   // Removes the hooks, so a dropped wrapper leaves the parameters clean.
   ~Reducer();
@@ -216,7 +233,8 @@ class Reducer {
     int64_t offset = 0;     // element range of the bucket buffer it covers
     int64_t numel = 0;
     size_t pending = 0;     // its gradients not yet ready this iteration
-    c10::intrusive_ptr<c10d::Work> work;  // its all-reduce in flight
+    c10::intrusive_ptr<c10d::Work> work;  // its all-reduce in flight on the process group
+    c10::intrusive_ptr<c10::ivalue::Future> shm_work;  // or on shm_
     // Records only: completes with the time (ns, an int) its collective
     // finished. See stamp_completion.
     c10::intrusive_ptr<c10::ivalue::Future> completed_at;
@@ -269,6 +287,7 @@ class Reducer {
   bool should_rebuild_buckets_locked() const;
   void reset_for_backward();
   void launch_local_used_allreduce();
+  bool shm_transport() const { return shm_ && !comm_hook_; }  // [Note: which transport]
   bool globally_unused(int64_t index) const;
   at::Tensor& zeros_for(int64_t index);
   std::string describe_unready_params() const;
@@ -281,6 +300,7 @@ class Reducer {
   std::vector<at::Tensor> params_;
   std::vector<std::string> param_names_;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  std::shared_ptr<ShmAllreduce> shm_;  // chunk all-reduces go here when set: [Note: which transport]
   ReducerOptions options_;
   double average_scale_;  // 1 / world size; see [Note: averaging]
   std::vector<AccumulatorPtr> grad_accumulators_;  // kept alive: hooks live on them

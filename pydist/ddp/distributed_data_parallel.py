@@ -29,6 +29,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from pydist import _C
 from pydist.ddp import buckets as bucketing
 from pydist.ddp.records import IterationRecord
+from pydist.ddp.shm_transport import open_shm_allreduce
 from pydist.ddp.state_sync import broadcast_tensors, verify_same_model
 
 __all__ = ["DistributedDataParallel"]
@@ -53,9 +54,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     first, small bucket; default 1 MB when ``bucket_cap_mb`` is not given,
     else ``bucket_cap_mb``, as torch), ``allreduce_chunk_mb`` (all-reduce
     each bucket in pieces of about this size as its gradients arrive; 0 for
-    whole buckets; see [Note: chunked launches] in csrc/reducer/reducer.h) and
-    ``record_timing`` (keep per-bucket timings, read with
-    ``last_iteration_record()``)."""
+    whole buckets; see [Note: chunked launches] in csrc/reducer/reducer.h),
+    ``shm_allreduce`` (None: gradients of a CPU model whose ranks share one
+    host are all-reduced through shared memory instead of the process group,
+    elsewhere on the group; True: shared memory or an error; False: always
+    the group; see [Note: which transport]) and ``record_timing`` (keep
+    per-bucket timings, read with ``last_iteration_record()``)."""
 
     def __init__(
         self,
@@ -74,6 +78,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         *,
         first_bucket_cap_mb: float | None = None,
         allreduce_chunk_mb: float = 4.0,
+        shm_allreduce: bool | None = None,
         record_timing: bool = False,
         **torch_keywords: Any,
     ):
@@ -126,6 +131,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 states += self._buffers_to_sync
             broadcast_tensors(states, src=_global_rank(self.process_group, 0), group=self.process_group)
 
+        # This rank's end of the shared-memory transport, or None: gradients
+        # go through the process group. Lives as long as the reducer.
+        self._shm = open_shm_allreduce(self._params, self.process_group, shm_allreduce)
         self.reducer = _C.Reducer(
             self._params,
             self._param_names,
@@ -138,6 +146,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             static_graph=static_graph,
             record_timing=record_timing,
             chunk_bytes=int(allreduce_chunk_mb * bucketing.MB),
+            shm=self._shm,
         )
         # static_graph: the first backward is reduced all at once at its end;
         # this flag records that the callback doing it has been queued.
@@ -240,6 +249,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def set_record_timing(self, on: bool) -> None:
         self.reducer.set_record_timing(on)
+
+    @property
+    def allreduce_transport(self) -> str:
+        """Where gradient buckets are all-reduced: "shm" (shared memory) or
+        "process_group". A comm hook does its own communication either way."""
+        return "shm" if self._shm is not None else "process_group"
 
     def bucket_indices(self) -> list[list[int]]:
         """The current buckets as lists of parameter indices, in launch order."""

@@ -4,10 +4,13 @@ numerics as torch DDP on gloo.
 The same model, seeds and per-rank data are trained for a few steps once with
 DDP over the default (mpi4py) group and once over a gloo group; losses,
 gradients and parameters must be bit-identical. Gradients are also checked
-against the single-process oracle: the full batch on one model.
+against the single-process oracle: the full batch on one model. pydist's DDP
+runs both ways: its buckets all-reduced on the mpi4py group, and through
+shared memory (its default where the ranks share a host, as here).
 """
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -78,7 +81,8 @@ def test_pydist_ddp_on_mpi4py_matches_torch_ddp_on_gloo(world, gloo):
     mpi_group = dist.group.WORLD
     issued_before = mpi_group.issued_["allreduce"]
     model_pydist, model_torch = make_model(), make_model()
-    trace_pydist = train(model_pydist, mpi_group, world.rank, world.world_size, pydist.DistributedDataParallel)
+    wrapper = functools.partial(pydist.DistributedDataParallel, shm_allreduce=False)
+    trace_pydist = train(model_pydist, mpi_group, world.rank, world.world_size, wrapper)
     trace_torch = train(model_torch, gloo, world.rank, world.world_size)
 
     # pydist's C++ reducer called into the Python group, one all-reduce per bucket.
@@ -86,11 +90,25 @@ def test_pydist_ddp_on_mpi4py_matches_torch_ddp_on_gloo(world, gloo):
     assert_same_training(trace_pydist, trace_torch, model_pydist, model_torch)
 
 
+def test_pydist_ddp_through_shared_memory_under_mpirun(world, gloo):
+    # Ranks started by the MPI launcher share this host: the default transport
+    # maps one segment; the mpi4py group only sets it up.
+    import pydist
+
+    mpi_group = dist.group.WORLD
+    model_pydist, model_torch = make_model(), make_model()
+    issued_before = mpi_group.issued_["allreduce"]
+    trace_pydist = train(model_pydist, mpi_group, world.rank, world.world_size, pydist.DistributedDataParallel)
+    trace_torch = train(model_torch, gloo, world.rank, world.world_size)
+    assert mpi_group.issued_["allreduce"] == issued_before, "gradients went through the mpi4py group"
+    assert_same_training(trace_pydist, trace_torch, model_pydist, model_torch)
+
+
 def test_pydist_records_on_mpi4py(world):
     # The reducer stamps completion from the future of the Python group's work.
     import pydist
 
-    ddp = pydist.DistributedDataParallel(make_model(), bucket_cap_mb=0.001, record_timing=True)
+    ddp = pydist.DistributedDataParallel(make_model(), bucket_cap_mb=0.001, record_timing=True, shm_allreduce=False)
     for step in range(2):
         x, y = batch(step, world.rank)
         ddp.zero_grad()

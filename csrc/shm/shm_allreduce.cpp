@@ -1,0 +1,421 @@
+// All-reduce through shared memory: see shm_allreduce.h and its note.
+#include "shm/shm_allreduce.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <ctime>
+#include <stdexcept>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PYDIST_CPU_RELAX() _mm_pause()
+#else
+#define PYDIST_CPU_RELAX() ((void)0)
+#endif
+
+namespace pydist {
+namespace {
+
+constexpr uint64_t kMagic = 0x70796469'73747368ULL;  // "pydistsh"
+constexpr uint32_t kLayoutVersion = 1;
+constexpr size_t kHeaderBytes = 4096;
+// Checks of a counter before going to sleep on it: a peer that is running
+// usually arrives within this, and sleeping costs two syscalls and a wakeup.
+constexpr int kSpinChecks = 2000;
+// How long one sleep lasts at most: how often a waiter looks whether its
+// peer has died or the deadline has passed.
+constexpr long kSleepNs = 20'000'000;
+
+enum RankState : uint32_t { kAbsent = 0, kAttached = 1, kDetached = 2 };
+
+// The first page of the segment.
+struct ShmHeader {
+  uint64_t magic;        // written last by the creator: the layout is ready
+  uint32_t version;
+  uint32_t world_size;
+  uint64_t region_bytes; // size of one staging region
+  uint32_t aborted;      // 0, or 1 + the rank that failed first
+};
+
+// One per rank, after the header; counters on cache lines of their own,
+// since peers poll them while their owner writes its staging.
+struct alignas(64) ShmRankBlock {
+  uint32_t staged;  // the last piece this rank has staged
+  char pad0[60];
+  uint32_t reduced;  // the last piece this rank has reduced and published
+  char pad1[60];
+  uint32_t state;    // RankState
+  int32_t pid;       // for the liveness check
+  uint64_t pid_ns;   // inode of its pid namespace; pids compare only within one
+  char pad2[48];
+};
+
+size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
+
+uint64_t pid_namespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+uint32_t load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+void store(uint32_t* word, uint32_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); }
+bool reached(uint32_t counter, uint32_t piece) { return static_cast<int32_t>(counter - piece) >= 0; }
+
+void futex_wake_all(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
+void futex_sleep(uint32_t* word, uint32_t seen) {
+  struct timespec timeout {0, kSleepNs};
+  syscall(SYS_futex, word, FUTEX_WAIT, seen, &timeout, nullptr, 0);
+}
+
+// --- the arithmetic: torch's, element by element ------------------------
+// A product or sum of reduced-precision floats is taken in float and rounded
+// back, as torch's mul_out (the pre-division) and gloo's sum do.
+template <typename T> struct Accumulate { using type = float; };
+template <> struct Accumulate<double> { using type = double; };
+template <typename T> using acc_t = typename Accumulate<T>::type;
+
+template <typename T>
+inline T scaled(T x, acc_t<T> s) { return static_cast<T>(static_cast<acc_t<T>>(x) * s); }
+template <typename T>
+inline T add(T a, T b) { return static_cast<T>(static_cast<acc_t<T>>(a) + static_cast<acc_t<T>>(b)); }
+
+template <typename T>
+void copy_scaled(T* __restrict dst, const T* __restrict src, int64_t n, acc_t<T> s) {
+  if (s == acc_t<T>(1)) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = scaled(src[i], s);
+}
+
+template <typename T>
+void scale_in_place(T* data, int64_t n, acc_t<T> s) {
+  for (int64_t i = 0; i < n; ++i) data[i] = scaled(data[i], s);
+}
+
+// Two ranks: mine = mine*s + peer (the peer's term arrives scaled), into
+// both the tensor and the published region, in one pass.
+template <typename T>
+void reduce_two(T* __restrict mine, const T* __restrict peer, T* __restrict out, int64_t n, acc_t<T> s) {
+  for (int64_t i = 0; i < n; ++i) out[i] = mine[i] = add(scaled(mine[i], s), peer[i]);
+}
+
+// Any number of ranks: every term is staged (scaled); sum in rank order.
+template <typename T>
+void reduce_in_rank_order(T* __restrict mine, const T* const* terms, int64_t num_terms, T* __restrict out, int64_t n) {
+  const T* __restrict first = terms[0];
+  const T* __restrict second = terms[1];
+  for (int64_t i = 0; i < n; ++i) mine[i] = add(first[i], second[i]);
+  for (int64_t q = 2; q < num_terms; ++q) {
+    const T* __restrict term = terms[q];
+    for (int64_t i = 0; i < n; ++i) mine[i] = add(mine[i], term[i]);
+  }
+  std::memcpy(out, mine, static_cast<size_t>(n) * sizeof(T));
+}
+
+}  // namespace
+
+// The mapped layout: header, one block per rank, then per rank two staging
+// sets of world_size regions each.
+struct ShmSegment {
+  ShmHeader* header = nullptr;
+  ShmRankBlock* ranks = nullptr;
+  char* data = nullptr;
+  size_t region_bytes = 0;
+
+  static size_t data_offset(int64_t world_size) {
+    return round_up(kHeaderBytes + sizeof(ShmRankBlock) * static_cast<size_t>(world_size), 4096);
+  }
+  static size_t region_bytes_for(int64_t world_size) {
+    return round_up(static_cast<size_t>(kShmPieceBytes) / static_cast<size_t>(world_size), 64);
+  }
+  static size_t total_bytes(int64_t world_size) {
+    const auto n = static_cast<size_t>(world_size);
+    return data_offset(world_size) + n * 2 * n * region_bytes_for(world_size);
+  }
+};
+
+// --- setting up and tearing down ------------------------------------------
+
+ShmAllreduce::ShmAllreduce(std::string name, int64_t rank, int64_t world_size, bool create,
+                           std::chrono::milliseconds timeout)
+    : name_(std::move(name)), rank_(rank), world_size_(world_size), timeout_(timeout) {
+  TORCH_CHECK(world_size_ >= 1 && rank_ >= 0 && rank_ < world_size_, "ShmAllreduce: rank ", rank_,
+              " is not in a group of ", world_size_);
+  const size_t bytes = ShmSegment::total_bytes(world_size_);
+  const int fd = create ? shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600) : shm_open(name_.c_str(), O_RDWR, 0);
+  TORCH_CHECK(fd >= 0, "ShmAllreduce: rank ", rank_, " could not ", create ? "create" : "open",
+              " the shared-memory object ", name_, ": ", std::strerror(errno));
+  if (create) {
+    // Reserve the pages now: a /dev/shm too small fails here, not later
+    // with a SIGBUS at the first write.
+    const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (err != 0) {
+      close(fd);
+      shm_unlink(name_.c_str());
+      TORCH_CHECK(false, "ShmAllreduce: could not reserve ", bytes, " bytes of shared memory for ", name_, ": ",
+                  std::strerror(err), " (is /dev/shm full or too small?)");
+    }
+  } else {
+    struct stat st {};
+    const bool sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+    if (!sized) close(fd);
+    TORCH_CHECK(sized, "ShmAllreduce: the shared-memory object ", name_, " has ", st.st_size, " bytes, rank ", rank_,
+                " expected ", bytes, " bytes for ", world_size_, " ranks");
+  }
+  base_ = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  TORCH_CHECK(base_ != MAP_FAILED, "ShmAllreduce: rank ", rank_, " could not map ", name_, ": ", std::strerror(errno));
+  mapped_bytes_ = bytes;
+
+  auto* segment = new ShmSegment;
+  segment_ = segment;
+  segment->header = static_cast<ShmHeader*>(base_);
+  segment->ranks = reinterpret_cast<ShmRankBlock*>(static_cast<char*>(base_) + kHeaderBytes);
+  segment->data = static_cast<char*>(base_) + ShmSegment::data_offset(world_size_);
+  segment->region_bytes = ShmSegment::region_bytes_for(world_size_);
+  ShmHeader& header = *segment->header;
+  if (create) {
+    header.version = kLayoutVersion;
+    header.world_size = static_cast<uint32_t>(world_size_);
+    header.region_bytes = segment->region_bytes;
+    __atomic_store_n(&header.magic, kMagic, __ATOMIC_RELEASE);
+  } else {
+    const bool same = __atomic_load_n(&header.magic, __ATOMIC_ACQUIRE) == kMagic && header.version == kLayoutVersion &&
+                      header.world_size == world_size_ && header.region_bytes == segment->region_bytes;
+    if (!same) {
+      munmap(base_, mapped_bytes_);
+      delete segment;
+      segment_ = nullptr;
+      base_ = nullptr;
+    }
+    TORCH_CHECK(same, "ShmAllreduce: ", name_, " does not hold the layout rank ", rank_,
+                " expects (another pydist version, or another group?)");
+  }
+  ShmRankBlock& me = segment->ranks[rank_];
+  me.pid = static_cast<int32_t>(getpid());
+  me.pid_ns = pid_namespace();
+  store(&me.state, kAttached);
+  worker_ = std::thread([this] { work_loop(); });
+}
+
+ShmAllreduce::~ShmAllreduce() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_worker_.notify_all();
+  if (worker_.joinable()) worker_.join();  // it empties the queue first: those jobs fail fast
+  if (segment_) {
+    store(&segment_->ranks[rank_].state, kDetached);
+    for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(rank_, phase));
+    delete segment_;
+  }
+  if (base_) munmap(base_, mapped_bytes_);
+}
+
+void ShmAllreduce::unlink() { shm_unlink(name_.c_str()); }
+
+bool ShmAllreduce::supports(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+// --- the queue -----------------------------------------------------------
+
+c10::intrusive_ptr<c10::ivalue::Future> ShmAllreduce::allreduce(at::Tensor tensor, double scale) {
+  TORCH_CHECK(tensor.is_cpu() && tensor.is_contiguous() && supports(tensor.scalar_type()),
+              "ShmAllreduce.allreduce: needs a contiguous CPU tensor of float32, float64, bfloat16 or float16, got ",
+              tensor.scalar_type(), " on ", tensor.device(), tensor.is_contiguous() ? "" : " (not contiguous)");
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stopping_, "ShmAllreduce.allreduce: the transport is shutting down");
+    queue_.push_back(Job{std::move(tensor), scale, future});
+  }
+  wake_worker_.notify_one();
+  return future;
+}
+
+void ShmAllreduce::work_loop() {
+  while (true) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_worker_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    try {
+      TORCH_CHECK(!broken_, broken_why_);
+      run_job(job);
+    } catch (const std::exception& e) {
+      error = std::current_exception();
+      if (!broken_) {
+        // Peers are now out of step with this rank: fail them at once, and
+        // every later job here.
+        broken_ = true;
+        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+        broken_why_ = c10_error ? c10_error->what_without_backtrace() : e.what();
+        uint32_t none = 0;
+        __atomic_compare_exchange_n(&segment_->header->aborted, &none, static_cast<uint32_t>(rank_ + 1), false,
+                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        for (int64_t q = 0; q < world_size_; ++q) {
+          for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(q, phase));
+        }
+      }
+    }
+    // Let go of the tensor before waking the caller: dropping a reference to
+    // a tensor Python also holds may need the GIL, which the caller has
+    // released only while it waits.
+    job.tensor.reset();
+    if (error) {
+      job.future->setError(error);
+    } else {
+      job.future->markCompleted(c10::IValue());
+    }
+  }
+}
+
+void ShmAllreduce::run_job(const Job& job) {
+  const at::Tensor& t = job.tensor;
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return run_pieces(t.data_ptr<float>(), t.numel(), static_cast<float>(job.scale));
+    case at::kDouble:
+      return run_pieces(t.data_ptr<double>(), t.numel(), job.scale);
+    case at::kBFloat16:
+      return run_pieces(t.data_ptr<c10::BFloat16>(), t.numel(), static_cast<float>(job.scale));
+    case at::kHalf:
+      return run_pieces(t.data_ptr<c10::Half>(), t.numel(), static_cast<float>(job.scale));
+    default:
+      TORCH_CHECK(false, "ShmAllreduce: unsupported dtype ", t.scalar_type());
+  }
+}
+
+// --- the protocol of [Note: shared-memory all-reduce] ---------------------
+
+template <typename T>
+T* ShmAllreduce::region(int64_t owner, uint32_t set, int64_t region) const {
+  const auto n = static_cast<size_t>(world_size_);
+  const size_t index = (static_cast<size_t>(owner) * 2 + set) * n + static_cast<size_t>(region);
+  return reinterpret_cast<T*>(segment_->data + index * segment_->region_bytes);
+}
+
+template <typename T, typename Scale>
+void ShmAllreduce::run_pieces(T* data, int64_t numel, Scale scale) {
+  static_assert(std::is_same_v<Scale, acc_t<T>>, "the scale is applied in the accumulate type");
+  const int64_t n = world_size_;
+  const int64_t r = rank_;
+  if (n == 1) {  // nothing to exchange; the scale still applies
+    if (scale != Scale(1)) scale_in_place(data, numel, scale);
+    return;
+  }
+  // Slices are multiples of 16 elements, so each starts on a cache line.
+  const int64_t grain = 16 * n;
+  const int64_t piece_elems = std::max<int64_t>(grain, kShmPieceBytes / static_cast<int64_t>(sizeof(T)) / grain * grain);
+  std::vector<const T*> terms(static_cast<size_t>(n));
+  for (int64_t offset = 0; offset < numel; offset += piece_elems) {
+    T* x = data + offset;
+    const int64_t len = std::min(piece_elems, numel - offset);
+    const int64_t slice = (len + grain - 1) / grain * 16;
+    auto begin = [&](int64_t q) { return std::min(len, q * slice); };
+    auto count = [&](int64_t q) { return std::min(len, (q + 1) * slice) - begin(q); };
+    TORCH_INTERNAL_ASSERT(static_cast<size_t>(slice) * sizeof(T) <= segment_->region_bytes);
+    const uint32_t piece = ++pieces_done_;
+    const uint32_t set = piece & 1;
+
+    // stage: the slices peers reduce (and, with more than two ranks, this
+    // rank's own, so every term of the rank-order sum is in one place).
+    for (int64_t q = 0; q < n; ++q) {
+      if (q != r || n > 2) copy_scaled(region<T>(r, set, q), x + begin(q), count(q), scale);
+    }
+    publish(Phase::kStaged, piece);
+    wait_for_peers(Phase::kStaged, piece);
+
+    // reduce: this rank's slice, into its tensor and its published region.
+    T* mine = x + begin(r);
+    if (n == 2) {
+      reduce_two(mine, region<T>(1 - r, set, r), region<T>(r, set, r), count(r), scale);
+    } else {
+      for (int64_t q = 0; q < n; ++q) terms[q] = region<T>(q, set, r);
+      reduce_in_rank_order(mine, terms.data(), n, region<T>(r, set, r), count(r));
+    }
+    publish(Phase::kReduced, piece);
+    wait_for_peers(Phase::kReduced, piece);
+
+    // collect: every peer's reduced slice.
+    for (int64_t q = 0; q < n; ++q) {
+      if (q != r) std::memcpy(x + begin(q), region<T>(q, set, q), static_cast<size_t>(count(q)) * sizeof(T));
+    }
+  }
+}
+
+uint32_t* ShmAllreduce::counter(int64_t rank, Phase phase) const {
+  ShmRankBlock& block = segment_->ranks[rank];
+  return phase == Phase::kStaged ? &block.staged : &block.reduced;
+}
+
+void ShmAllreduce::publish(Phase phase, uint32_t piece) {
+  uint32_t* word = counter(rank_, phase);
+  store(word, piece);
+  futex_wake_all(word);
+}
+
+void ShmAllreduce::wait_for_peers(Phase phase, uint32_t piece) {
+  for (int64_t q = 0; q < world_size_; ++q) {
+    if (q == rank_) continue;
+    uint32_t* word = counter(q, phase);
+    if (reached(load(word), piece)) continue;
+    bool there = false;
+    for (int spin = 0; spin < kSpinChecks && !there; ++spin) {
+      PYDIST_CPU_RELAX();
+      there = reached(load(word), piece);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (!there) {
+      const uint32_t seen = load(word);
+      if (reached(seen, piece)) break;
+      check_peer(q, phase, piece, deadline);
+      futex_sleep(word, seen);
+      there = reached(load(word), piece);
+    }
+  }
+}
+
+void ShmAllreduce::check_peer(int64_t peer, Phase phase, uint32_t piece,
+                              std::chrono::steady_clock::time_point deadline) const {
+  const char* step = phase == Phase::kStaged ? "stage" : "reduce";
+  const std::string where = c10::str("shared-memory all-reduce (", name_, "): rank ", rank_, " waited for rank ",
+                                     peer, " to ", step, " piece ", piece, ", but ");
+  const uint32_t aborted = load(&segment_->header->aborted);
+  TORCH_CHECK(aborted == 0, where, "rank ", aborted - 1, " failed an all-reduce and aborted the transport");
+  const ShmRankBlock& block = segment_->ranks[peer];
+  TORCH_CHECK(load(&block.state) != kDetached, where, "rank ", peer,
+              " has shut its end down (its DistributedDataParallel was destroyed, or its process is exiting)");
+  if (block.pid_ns != 0 && block.pid_ns == segment_->ranks[rank_].pid_ns) {
+    const bool gone = kill(block.pid, 0) != 0 && errno == ESRCH;
+    TORCH_CHECK(!gone, where, "its process (pid ", block.pid, ") has exited");
+  }
+  TORCH_CHECK(!stopping_, where, "this rank is shutting its transport down");
+  TORCH_CHECK(std::chrono::steady_clock::now() < deadline, where, "rank ", peer, " did not arrive within the timeout of ",
+              timeout_.count(), " ms (ranks calling all-reduce in different orders or sizes, or one stuck)");
+}
+
+}  // namespace pydist

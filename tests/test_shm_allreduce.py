@@ -1,0 +1,211 @@
+"""The shared-memory all-reduce (csrc/shm/shm_allreduce.h), on its own.
+
+Sums are checked exactly: integer-valued inputs, and scales that are powers
+of two, so every dtype holds the exact answer; random floats are checked
+bitwise against gloo's all-reduce of the pre-scaled tensors (the arithmetic
+torch's DDP does). Sizes cross the transport's piece and slice boundaries.
+
+The failure tests run several ranks' ends in one process (each end has its
+own worker thread) or in a child process, so that one rank's error message
+can be read: a peer that shut its end down, a peer process that died, a peer
+that never arrives (timeout), and a failure spreading to the other ranks.
+"""
+
+import multiprocessing as mp
+import os
+import secrets
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pydist import _C
+from pydist.spawn import run_ranks
+
+PIECE_ELEMS_F32 = (1 << 20) // 4  # kShmPieceBytes of float32
+SIZES = [1, 15, 64, 1000, PIECE_ELEMS_F32, PIECE_ELEMS_F32 + 1, 3 * PIECE_ELEMS_F32 + 17]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _name() -> str:
+    return f"/pydist-test-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _ints(n: int, rank: int, dtype) -> torch.Tensor:
+    """Small integers (exact in every dtype, and so are their sums)."""
+    return ((torch.arange(n) * 7 + rank * 3) % 23 - 11).to(dtype)
+
+
+def _exact_sums(rank, world_size):
+    from pydist.ddp.shm_transport import open_shm_allreduce
+
+    shm = open_shm_allreduce([torch.zeros(1)], dist.group.WORLD, wanted=True)
+    checked = 0
+    for dtype in DTYPES:
+        for n in SIZES:
+            for scale in (1.0, 0.5):
+                x = _ints(n, rank, dtype)
+                expected = sum(_ints(n, r, torch.float64) * scale for r in range(world_size)).to(dtype)
+                shm.allreduce_(x, scale)
+                assert torch.equal(x, expected), f"{dtype} n={n} scale={scale}: max error {(x.double() - expected.double()).abs().max()}"
+                checked += 1
+    return checked
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_exact_sums_every_dtype_and_size(world_size):
+    counts = run_ranks(_exact_sums, world_size, timeout=100)
+    assert counts == [len(DTYPES) * len(SIZES) * 2] * world_size
+
+
+def _bitwise_like_gloo(rank, world_size):
+    from pydist.ddp.shm_transport import open_shm_allreduce
+
+    shm = open_shm_allreduce([torch.zeros(1)], dist.group.WORLD, wanted=True)
+    gen = torch.Generator().manual_seed(rank)
+    for dtype in DTYPES:
+        for n in (1000, 3 * PIECE_ELEMS_F32 + 17):
+            grad = torch.randn(n, generator=gen).to(dtype)
+            # torch's DDP: multiply by 1/world_size into the bucket, then gloo sums
+            reference = grad * (1.0 / world_size)
+            dist.all_reduce(reference)
+            mine = grad.clone()
+            shm.allreduce_(mine, 1.0 / world_size)
+            assert torch.equal(mine, reference), f"{dtype} n={n}: differs from gloo's sum"
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_two_ranks_bitwise_equal_to_gloo():
+    assert run_ranks(_bitwise_like_gloo, 2, timeout=50) == [True, True]
+
+
+def test_rejects_what_it_cannot_carry():
+    name = _name()
+    shm = _C.ShmAllreduce(name, 0, 1, create=True, timeout_s=5)
+    shm.unlink()
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor of float32"):
+        shm.allreduce_(torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        shm.allreduce_(torch.zeros(4, 4).t())
+    x = torch.arange(5.0)
+    shm.allreduce_(x, 0.5)  # a group of one: its own tensor, scaled
+    assert torch.equal(x, torch.arange(5.0) * 0.5)
+    assert not _C.ShmAllreduce.supports(torch.int32)
+
+
+def test_open_errors_name_the_object():
+    with pytest.raises(RuntimeError, match=r"rank 1 could not open the shared-memory object /pydist-test-.*No such file"):
+        _C.ShmAllreduce(_name(), 1, 2, create=False, timeout_s=1)
+    name = _name()
+    first = _C.ShmAllreduce(name, 0, 2, create=True, timeout_s=1)
+    try:
+        with pytest.raises(RuntimeError, match="expected .* bytes for 3 ranks"):
+            _C.ShmAllreduce(name, 1, 3, create=False, timeout_s=1)
+        with pytest.raises(RuntimeError, match="could not create"):
+            _C.ShmAllreduce(name, 0, 2, create=True, timeout_s=1)
+    finally:
+        first.unlink()
+
+
+def _pair(timeout_s=5.0):
+    name = _name()
+    ends = [_C.ShmAllreduce(name, 0, 2, create=True, timeout_s=timeout_s)]
+    ends.append(_C.ShmAllreduce(name, 1, 2, create=False, timeout_s=timeout_s))
+    ends[0].unlink()
+    return ends
+
+
+def _in_threads(calls):
+    """Runs each call in its own thread; returns each one's exception or None."""
+    errors = [None] * len(calls)
+
+    def run(i):
+        try:
+            calls[i]()
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "an all-reduce did not return"
+    return errors
+
+
+@pytest.mark.timeout(30)
+def test_two_ends_in_one_process():
+    ends = _pair()
+    xs = [_ints(PIECE_ELEMS_F32 * 2 + 5, r, torch.float32) for r in range(2)]
+    expected = xs[0] + xs[1]
+    assert _in_threads([lambda e=e, x=x: e.allreduce_(x) for e, x in zip(ends, xs)]) == [None, None]
+    assert torch.equal(xs[0], expected) and torch.equal(xs[1], expected)
+
+
+@pytest.mark.timeout(30)
+def test_peer_that_shut_down_fails_the_wait_at_once():
+    ends = _pair(timeout_s=60)
+    del ends[1]  # rank 1's wrapper is gone
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="waited for rank 1 to stage piece 1, but rank 1 has shut its end down"):
+        ends[0].allreduce_(torch.ones(10))
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(30)
+def test_peer_that_never_arrives_times_out_and_aborts_the_others():
+    ends = _pair(timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 did not arrive within the timeout of 500 ms"):
+        ends[0].allreduce_(torch.ones(10))
+    assert time.monotonic() - start < 5
+    # rank 0 aborted the transport: rank 1, arriving late, fails at once too
+    with pytest.raises(RuntimeError, match="rank 0 failed an all-reduce and aborted the transport"):
+        ends[1].allreduce_(torch.ones(10))
+    # and a broken end stays broken, saying why
+    with pytest.raises(RuntimeError, match="did not arrive within the timeout"):
+        ends[0].allreduce_(torch.ones(10))
+
+
+def _map_then_die(name, ready):
+    end = _C.ShmAllreduce(name, 1, 2, create=False, timeout_s=60)  # noqa: F841 - held until the process dies
+    ready.set()
+    os._exit(3)  # no destructor: as if killed
+
+
+@pytest.mark.timeout(60)
+def test_peer_process_that_died_fails_the_wait_at_once():
+    name = _name()
+    end = _C.ShmAllreduce(name, 0, 2, create=True, timeout_s=60)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_map_then_die, args=(name, ready))
+    child.start()
+    assert ready.wait(30)
+    child.join(30)
+    end.unlink()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"rank 1 .*its process \(pid {child.pid}\) has exited"):
+        end.allreduce_(torch.ones(10))
+    assert time.monotonic() - start < 5
+
+
+def _wanted_but_impossible(rank, world_size):
+    from pydist import DistributedDataParallel as DDP
+
+    try:
+        DDP(torch.nn.Linear(4, 4), shm_allreduce=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return "constructed"
+
+
+@pytest.mark.timeout(60)
+def test_required_shm_in_a_group_of_one_says_why():
+    (message,) = run_ranks(_wanted_but_impossible, 1, timeout=50)
+    assert "shm_allreduce=True" in message and "rank 0: a group of one rank has nothing to all-reduce" in message
