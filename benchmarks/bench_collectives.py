@@ -1,5 +1,7 @@
 """Collective bandwidth, nccl-tests style: gloo vs pydist's MPI backend (and
-nccl where CUDA is present), same ranks, same run.
+nccl where CUDA is present), same ranks, same run; for all_reduce also
+pydist's shared-memory transport (backend "shm", what DDP all-reduces its
+buckets with when every rank shares the host: csrc/shm/shm_allreduce.h).
 
     mpiexec -n 2 python benchmarks/bench_collectives.py [--json out.json]
     python benchmarks/bench_collectives.py          # re-launches itself under mpiexec -n 2
@@ -53,6 +55,10 @@ class Row:
     wrong: int
 
 
+def _is_shm(group) -> bool:
+    return isinstance(group, pydist._C.ShmAllreduce)
+
+
 def _fill(n, rank, device):
     return (torch.arange(n, device=device) % PATTERN + rank + 1).to(torch.float32)
 
@@ -77,7 +83,9 @@ class Case:
 
     def run(self):
         g = self.group
-        if self.collective == "all_reduce":
+        if _is_shm(g):
+            g.allreduce_(self.buf)
+        elif self.collective == "all_reduce":
             dist.all_reduce(self.buf, group=g)
         elif self.collective == "broadcast":
             dist.broadcast(self.buf, src=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
@@ -115,7 +123,7 @@ def measure(collective, backend, group, nbytes, rank, ws, device, comm):
     case = Case(collective, count, rank, ws, device, group)
     iters = iterations(nbytes)
     case.run()  # warm-up
-    dist.barrier(group=group)
+    comm.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
         case.run()
@@ -158,7 +166,7 @@ def main():
     parser.add_argument("--maxbytes", type=int, default=256 << 20)
     parser.add_argument("--factor", type=int, default=2, help="size multiplier between rows")
     parser.add_argument("--collectives", nargs="+", default=COLLECTIVES, choices=COLLECTIVES)
-    parser.add_argument("--backends", nargs="+", default=None, help="default: gloo mpi4py (+ nccl with CUDA)")
+    parser.add_argument("--backends", nargs="+", default=None, help="default: gloo mpi4py shm (+ nccl with CUDA)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks to launch when not already under mpiexec")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON ('-' for stdout)")
     args = parser.parse_args()
@@ -174,8 +182,12 @@ def main():
     world = pydist.init_process_group(backend="mpi", timeout=600)
     rank, ws = world.rank, world.world_size
     comm = MPI.COMM_WORLD
-    backends = args.backends or (["gloo", "mpi4py"] + (["nccl"] if torch.cuda.is_available() else []))
-    groups = {b: (None if b == "mpi4py" else dist.new_group(backend=b)) for b in backends}
+    backends = args.backends or (["gloo", "mpi4py", "shm"] + (["nccl"] if torch.cuda.is_available() else []))
+    groups = {b: (None if b == "mpi4py" else dist.new_group(backend=b)) for b in backends if b != "shm"}
+    if "shm" in backends:
+        from pydist.ddp.shm_transport import open_shm_allreduce
+
+        groups["shm"] = open_shm_allreduce([torch.zeros(1)], None, wanted=True)
     devices = {b: torch.device("cuda", torch.cuda.current_device()) if b == "nccl" else torch.device("cpu")
                for b in backends}
     sizes = []
@@ -187,12 +199,16 @@ def main():
     rows = []
     for collective in args.collectives:
         for backend in backends:
+            if backend == "shm" and collective != "all_reduce":
+                continue  # the transport does all-reduce only
             mine = [measure(collective, backend, groups[backend], s, rank, ws, devices[backend], comm) for s in sizes]
             rows += mine
             if rank == 0:
                 print_table(mine, collective, backend, ws)
                 sys.stdout.flush()
     if rank == 0:
+        if "gloo" in backends and "shm" in backends and "all_reduce" in args.collectives:
+            print_ratios(rows, "all_reduce", "shm", "gloo")
         if "gloo" in backends and "mpi4py" in backends:
             for collective in args.collectives:
                 print_ratios(rows, collective, "mpi4py", "gloo")

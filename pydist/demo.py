@@ -11,6 +11,10 @@ pydist.DistributedDataParallel and once in torch's, and prints:
 - pydist's per-bucket record of the last backward: when each bucket's
   gradients became ready, when its all-reduce launched, and how much of it
   ran while autograd was still computing (the overlap).
+
+The ranks share this host, so pydist all-reduces its buckets through shared
+memory, torch's DDP through gloo's loopback TCP (``--transport
+process_group`` puts pydist on gloo too).
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(512, 1))
 
 
-def _train(rank: int, world_size: int, wrapper: str, steps: int):
+def _train(rank: int, world_size: int, wrapper: str, steps: int, transport: str):
     import pydist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     model = _model()
     if wrapper == "pydist":
-        ddp = pydist.DistributedDataParallel(model, bucket_cap_mb=2, record_timing=True)
+        ddp = pydist.DistributedDataParallel(
+            model, bucket_cap_mb=2, record_timing=True, shm_allreduce=None if transport == "auto" else transport == "shm"
+        )
     else:
         ddp = TorchDDP(model, bucket_cap_mb=2)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
@@ -53,18 +59,21 @@ def _train(rank: int, world_size: int, wrapper: str, steps: int):
         losses.append(loss.item())
     params = [p.detach().clone() for p in model.parameters()]
     report = ddp.last_iteration_record().report() if wrapper == "pydist" else None
-    return losses, params, report
+    return losses, params, report, getattr(ddp, "allreduce_transport", "process_group")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="pydist demo: DDP training on CPU ranks")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--transport", choices=("auto", "shm", "process_group"), default="auto",
+                        help="where pydist all-reduces its buckets (auto: shared memory where it can)")
     args = parser.parse_args()
 
     print(f"training a 7-layer MLP on {args.ranks} CPU ranks (gloo), {args.steps} steps, pydist and torch DDP")
-    ours = run_ranks(_train, args.ranks, args=("pydist", args.steps), timeout=300)
-    theirs = run_ranks(_train, args.ranks, args=("torch", args.steps), timeout=300)
+    ours = run_ranks(_train, args.ranks, args=("pydist", args.steps, args.transport), timeout=300)
+    theirs = run_ranks(_train, args.ranks, args=("torch", args.steps, args.transport), timeout=300)
+    print(f"pydist all-reduced its buckets on: {ours[0][3]}; torch DDP on: {theirs[0][3]} (gloo)")
 
     print(f"\n{'step':>5} {'pydist loss (rank 0)':>22} {'torch loss (rank 0)':>21}")
     for step in range(0, args.steps, max(1, args.steps // 10)):

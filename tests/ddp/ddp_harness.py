@@ -104,6 +104,7 @@ class RunResult(NamedTuple):
     state_dict_keys: list  # ddp.state_dict().keys(), in order
     buckets: list  # per backward: [BucketRecord] in call order ("probe" hook only)
     grad_storage_groups: list  # after the last backward: sorted groups of names whose grads share storage
+    allreduce_transport: str  # pydist's: "shm" or "process_group"; torch's: "process_group"
 
 
 # --------------------------------------------------------------------------
@@ -321,6 +322,7 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
         state_dict_keys=list(ddp.state_dict().keys()),
         buckets=probe.per_backward if probe is not None else [],
         grad_storage_groups=storage_groups,
+        allreduce_transport=getattr(ddp, "allreduce_transport", "process_group"),
     )
     return result
 
@@ -347,6 +349,24 @@ def pack(obj: Any) -> bytes:
 
 def unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+# pydist's gradient transports (see [Note: which transport] in
+# csrc/reducer/reducer.h): the suite runs each where it matters.
+TRANSPORTS = ("shm", "process_group")
+
+
+def with_transport(scenarios, transport: str) -> list:
+    """The scenarios with pydist's bucket all-reduces required on ``transport``."""
+    want = {"shm": True, "process_group": False}[transport]
+    return [dataclasses.replace(sc, pydist_kwargs={**sc.pydist_kwargs, "shm_allreduce": want}) for sc in scenarios]
+
+
+def assert_transport(results, transport: str) -> None:
+    for rank, per_rank in enumerate(results):
+        for i, per_impl in enumerate(per_rank):
+            got = per_impl["pydist"].allreduce_transport
+            assert got == transport, f"rank {rank} scenario {i}: pydist all-reduced on {got}, not {transport}"
 
 
 def run_parity(scenarios, world_size: int, timeout: float = 120.0):

@@ -5,7 +5,9 @@ same seeds on different data per rank (see ddp_harness) and requires the
 same losses, the same ``.grad`` after every backward (``None`` where torch
 leaves ``None``), the same final parameters and buffers and the same
 ``state_dict`` keys: bitwise with two ranks, ``rtol=1e-6`` with four. See
-[Note: when the suite asserts bitwise equality] in ddp_harness.
+[Note: when the suite asserts bitwise equality] in ddp_harness. Tests that
+take ``transport`` run twice: pydist's buckets all-reduced through shared
+memory (its default here) and on the gloo group.
 
 Covered: plain training (SGD with momentum, Adam), parameter broadcast at
 construction, ``no_sync`` accumulation, ``gradient_as_bucket_view``,
@@ -22,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ddp_harness import (
+    TRANSPORTS,
     Scenario,
     assert_parity,
     assert_ranks_agree,
+    assert_transport,
     build_local_model,
     ddp_class,
     make_batch,
@@ -33,23 +37,29 @@ from ddp_harness import (
     pack,
     run_parity,
     unpack,
+    with_transport,
 )
 from pydist.spawn import run_ranks
 
 WORLD_SIZES = [2, pytest.param(4, id="4ranks")]
 
 
-def _check(scenarios, world_size, **tol):
+def _check(scenarios, world_size, transport=None, **tol):
+    if transport is not None:
+        scenarios = with_transport(scenarios, transport)
     results = run_parity(scenarios, world_size)
     assert_parity(results, exact=(world_size == 2), scenarios=scenarios, **tol)
+    if transport is not None:
+        assert_transport(results, transport)
     return results
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_plain_training_sgd_and_adam(world_size):
+def test_plain_training_sgd_and_adam(world_size, transport):
     scenarios = [Scenario(optimizer="sgd"), Scenario(optimizer="adam", seed=1)]
-    results = _check(scenarios, world_size)
+    results = _check(scenarios, world_size, transport)
     for i in range(len(scenarios)):
         assert_ranks_agree(results, "pydist", i)
         # the data differ per rank: if the ranks agree, gradients were averaged
@@ -67,11 +77,12 @@ def test_construction_broadcasts_rank0_params():
 
 
 @pytest.mark.timeout(60)
-def test_no_sync_accumulation():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_no_sync_accumulation(transport):
     # three micro-batches per step, the first two under no_sync(): their grads
     # stay local (checked after each backward) and the third syncs the sum
     scenarios = [Scenario(micro_steps=3, steps=3), Scenario(micro_steps=2, steps=3, optimizer="adam")]
-    results = _check(scenarios, 2)
+    results = _check(scenarios, 2, transport)
     # a no_sync backward must not have averaged: ranks' grads differ there
     g0 = results[0][0]["pydist"].grads[0]["fc1.weight"]
     g1 = results[1][0]["pydist"].grads[0]["fc1.weight"]
@@ -79,10 +90,11 @@ def test_no_sync_accumulation():
 
 
 @pytest.mark.timeout(60)
-def test_gradient_as_bucket_view():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_gradient_as_bucket_view(transport):
     kw = {"gradient_as_bucket_view": True}
     scenarios = [Scenario(ddp_kwargs=kw), Scenario(ddp_kwargs=kw, optimizer="adam", micro_steps=2)]
-    results = _check(scenarios, 2)
+    results = _check(scenarios, 2, transport)
     for rank in range(2):
         ref = results[rank][0]["torch"].grad_storage_groups
         got = results[rank][0]["pydist"].grad_storage_groups
@@ -92,8 +104,9 @@ def test_gradient_as_bucket_view():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_find_unused_parameters_branch_skipped(world_size):
+def test_find_unused_parameters_branch_skipped(world_size, transport):
     # use_branch(): step 1 locally unused on rank 0, step 2 unused by all ranks
     # (torch leaves those grads untouched: None after zero_grad(set_to_none=True),
     # and SGD-momentum then skips them; the zeros of zero_grad(set_to_none=False)
@@ -104,7 +117,7 @@ def test_find_unused_parameters_branch_skipped(world_size):
         Scenario(model="branch", branch_schedule=True, steps=4, ddp_kwargs=kw, optimizer="adam", seed=3),
         Scenario(model="branch", branch_schedule=True, steps=4, ddp_kwargs=kw, grads_to_none=False, seed=4),
     ]
-    results = _check(scenarios, world_size)
+    results = _check(scenarios, world_size, transport)
     # the schedule did what it says: globally unused at step 2 -> untouched everywhere
     for rank in range(world_size):
         assert results[rank][0]["torch"].grads[2]["branch.weight"] is None
@@ -113,7 +126,8 @@ def test_find_unused_parameters_branch_skipped(world_size):
 
 
 @pytest.mark.timeout(60)
-def test_static_graph():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_static_graph(transport):
     # checkpointed: a block run twice under reentrant checkpointing and an
     # always-unused layer, without find_unused_parameters: static_graph's case
     kw = {"static_graph": True}
@@ -121,7 +135,7 @@ def test_static_graph():
         Scenario(model="checkpointed", ddp_kwargs=kw, steps=4),
         Scenario(model="mlp", ddp_kwargs=kw, optimizer="adam", steps=3),
     ]
-    results = _check(scenarios, 2)
+    results = _check(scenarios, 2, transport)
     assert results[0][0]["torch"].grads[-1]["unused.weight"] is None
 
 
@@ -163,23 +177,25 @@ def test_frozen_parameters():
 
 
 @pytest.mark.timeout(120)
-def test_many_tiny_params_small_bucket_caps():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_many_tiny_params_small_bucket_caps(transport):
     # 1,058 parameters, 1,024 of them 0-dim; ~26 floats per bucket, then the
     # default caps (more caps: test_ddp_hooks's fp16 and probe tests)
     scenarios = [
         Scenario(model="many_tiny", steps=3, optimizer="adam", ddp_kwargs={"bucket_cap_mb": 0.0001}),
         Scenario(model="many_tiny", steps=2),
     ]
-    _check(scenarios, 2)
+    _check(scenarios, 2, transport)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_mlp_several_small_bucket_caps(world_size):
+def test_mlp_several_small_bucket_caps(world_size, transport):
     caps = [0.0005, 0.002, 0.01]
     scenarios = [Scenario(ddp_kwargs={"bucket_cap_mb": cap}, steps=3, seed=5) for cap in caps]
     scenarios.append(Scenario(ddp_kwargs={"bucket_cap_mb": 0.001}, optimizer="adam", steps=3))
-    _check(scenarios, world_size)
+    _check(scenarios, world_size, transport)
 
 
 @pytest.mark.timeout(60)
@@ -198,11 +214,12 @@ def test_first_bucket_cap_mb_is_accepted_and_correct():
 # --------------------------------------------------------------------------
 
 
-def _exact_against_naive_oracle(rank, world_size):
+def _exact_against_naive_oracle(rank, world_size, transport):
     """pydist's averaged grads equal a naive all-reduce of local grads, exactly."""
     sc = Scenario(model="linear_int", integer_data=True, optimizer="sgd_exact", steps=3)
     local = build_local_model(sc, rank)
-    ddp = ddp_class("pydist")(build_local_model(sc, rank))
+    ddp = ddp_class("pydist")(build_local_model(sc, rank), shm_allreduce=(transport == "shm"))
+    assert ddp.allreduce_transport == transport
     local_opt = make_optimizer(sc.optimizer, local.parameters())
     opt = make_optimizer(sc.optimizer, ddp.parameters())
     for step in range(sc.steps):
@@ -222,9 +239,10 @@ def _exact_against_naive_oracle(rank, world_size):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_exact_mean_against_naive_oracle(world_size):
-    results = [unpack(b) for b in run_ranks(_exact_against_naive_oracle, world_size, timeout=60)]
+def test_exact_mean_against_naive_oracle(world_size, transport):
+    results = [unpack(b) for b in run_ranks(_exact_against_naive_oracle, world_size, args=(transport,), timeout=60)]
     for rank in range(1, world_size):
         for name, t in results[rank].items():
             assert torch.equal(t, results[0][name])
