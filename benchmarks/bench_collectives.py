@@ -182,7 +182,7 @@ def main():
     world = pydist.init_process_group(backend="mpi", timeout=600)
     rank, ws = world.rank, world.world_size
     comm = MPI.COMM_WORLD
-    backends = args.backends or (["gloo", "mpi4py", "shm"] + (["nccl"] if torch.cuda.is_available() else []))
+    backends = args.backends or (["gloo", "shm", "mpi4py"] + (["nccl"] if torch.cuda.is_available() else []))
     groups = {b: (None if b == "mpi4py" else dist.new_group(backend=b)) for b in backends if b != "shm"}
     if "shm" in backends:
         from pydist.ddp.shm_transport import open_shm_allreduce
