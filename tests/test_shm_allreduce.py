@@ -209,3 +209,20 @@ def _wanted_but_impossible(rank, world_size):
 def test_required_shm_in_a_group_of_one_says_why():
     (message,) = run_ranks(_wanted_but_impossible, 1, timeout=50)
     assert "shm_allreduce=True" in message and "rank 0: a group of one rank has nothing to all-reduce" in message
+
+
+def _mismatched_wanted(rank, world_size):
+    from pydist import DistributedDataParallel as DDP
+
+    try:
+        DDP(torch.nn.Linear(4, 4), shm_allreduce=(rank == 0))
+    except ValueError as exc:
+        return str(exc)
+    return "constructed"
+
+
+@pytest.mark.timeout(60)
+def test_shm_allreduce_differing_across_ranks_raises_on_every_rank():
+    messages = run_ranks(_mismatched_wanted, 2, timeout=50)
+    for message in messages:
+        assert "shm_allreduce differs across ranks (rank 0: True, rank 1: False)" in message

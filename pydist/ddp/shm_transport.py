@@ -27,19 +27,24 @@ __all__ = ["open_shm_allreduce"]
 
 
 def open_shm_allreduce(params: Sequence[torch.Tensor], group, wanted: bool | None) -> _C.ShmAllreduce | None:
-    """Collective over ``group`` (every rank calls it, with the same ``wanted``).
+    """Collective over ``group``: every rank calls it, with the same ``wanted``.
 
     wanted: None uses shared memory where every rank can, else the group;
     True requires it (raises, on every rank, saying why not); False never
-    uses it. Returns this rank's end of the transport, or None for the group."""
-    if wanted is False:
-        return None
+    uses it. Ranks passing different values raise, every one of them, naming
+    each rank's value. Returns this rank's end of the transport, or None for
+    the group."""
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    why_not = _why_not_here(params, world_size)
+    why_not = _why_not_here(params, world_size) if wanted is not False else None
     verdicts: list = [None] * world_size
-    dist.all_gather_object(verdicts, why_not, group=group)
-    refusals = [f"rank {r}: {reason}" for r, reason in enumerate(verdicts) if reason]
+    dist.all_gather_object(verdicts, (wanted, why_not), group=group)
+    if len({w for w, _ in verdicts}) > 1:
+        values = ", ".join(f"rank {r}: {w}" for r, (w, _) in enumerate(verdicts))
+        raise ValueError(f"DistributedDataParallel: shm_allreduce differs across ranks ({values}); pass the same on every rank")
+    if wanted is False:
+        return None
+    refusals = [f"rank {r}: {reason}" for r, (_, reason) in enumerate(verdicts) if reason]
     if not refusals:
         shm, failure = _map_segment(rank, world_size, group)
         if shm is not None:
