@@ -447,6 +447,9 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
     ops::flatten_into(grads, piece, scale_in);
   }
 
+  // Stamped before the collective starts: a transport's thread may run it to
+  // completion before this thread gets the core back.
+  if (options_.record_timing && bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
   if (comm_hook_) {  // a hook's bucket is one chunk: see split_into_chunks
     std::vector<at::Tensor> bucket_params;
     bucket_params.reserve(bucket.param_indices.size());
@@ -461,7 +464,6 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
     chunk.work = process_group_->allreduce(tensors);
   }
   if (options_.record_timing) {
-    if (bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
     chunk.completed_at =
         stamp_completion(comm_hook_ ? bucket.future : chunk.shm_work ? chunk.shm_work : chunk.work->getFuture());
   }
