@@ -167,7 +167,7 @@ def main():
     parser.add_argument("--maxbytes", type=int, default=256 << 20)
     parser.add_argument("--factor", type=int, default=2, help="size multiplier between rows")
     parser.add_argument("--collectives", nargs="+", default=COLLECTIVES, choices=COLLECTIVES)
-    parser.add_argument("--backends", nargs="+", default=None, help="default: gloo mpi4py shm (+ nccl with CUDA)")
+    parser.add_argument("--backends", nargs="+", default=None, help="default: gloo shm mpi4py (+ nccl with CUDA)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks to launch when not already under mpiexec")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON ('-' for stdout)")
     args = parser.parse_args()

@@ -57,9 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "allreduce_",
           [](ShmAllreduce& self, at::Tensor tensor, double scale) {
-            auto future = self.allreduce(tensor, scale);
-            future->wait();
-            if (future->hasError()) std::rethrow_exception(future->exception_ptr());
+            self.allreduce(tensor, scale)->waitAndThrow();
             return tensor;
           },
           py::arg("tensor"), py::arg("scale") = 1.0, nogil,

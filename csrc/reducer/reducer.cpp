@@ -516,18 +516,14 @@ void Reducer::finalize_backward() {
   for (Bucket& bucket : buckets_) {
     at::Tensor result = bucket.buffer;
     if (comm_hook_) {
-      bucket.future->wait();
-      if (bucket.future->hasError()) std::rethrow_exception(bucket.future->exception_ptr());
+      bucket.future->waitAndThrow();
       result = comm_hook_->parseHookResult(bucket.future->value()).view(-1);
       TORCH_CHECK(result.numel() == bucket.buffer.numel(), "comm hook returned a tensor of ", result.numel(),
                   " elements for bucket ", bucket.record.index, " of ", bucket.buffer.numel());
     }
     for (const Chunk& chunk : bucket.chunks) {
       if (chunk.work) chunk.work->wait();
-      if (chunk.shm_work) {
-        chunk.shm_work->wait();
-        if (chunk.shm_work->hasError()) std::rethrow_exception(chunk.shm_work->exception_ptr());
-      }
+      if (chunk.shm_work) chunk.shm_work->waitAndThrow();
       if (chunk.completed_at) {
         chunk.completed_at->wait();
         bucket.record.complete_ns = std::max(bucket.record.complete_ns, chunk.completed_at->value().toInt());
@@ -632,10 +628,7 @@ void Reducer::match_all_reduce_for_bwd_pass() {
     }
   }
   for (auto& work : works) work->wait();
-  for (auto& future : futures) {
-    future->wait();
-    if (future->hasError()) std::rethrow_exception(future->exception_ptr());
-  }
+  for (auto& future : futures) future->waitAndThrow();
 }
 
 void Reducer::match_unused_params_allreduce() {

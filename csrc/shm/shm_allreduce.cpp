@@ -183,8 +183,8 @@ ShmAllreduce::ShmAllreduce(std::string name, int64_t rank, int64_t world_size, b
   TORCH_CHECK(base_ != MAP_FAILED, "ShmAllreduce: rank ", rank_, " could not map ", name_, ": ", std::strerror(errno));
   mapped_bytes_ = bytes;
 
-  auto* segment = new ShmSegment;
-  segment_ = segment;
+  segment_ = std::make_unique<ShmSegment>();
+  ShmSegment* segment = segment_.get();
   segment->header = static_cast<ShmHeader*>(base_);
   segment->ranks = reinterpret_cast<ShmRankBlock*>(static_cast<char*>(base_) + kHeaderBytes);
   segment->data = static_cast<char*>(base_) + ShmSegment::data_offset(world_size_);
@@ -198,12 +198,7 @@ ShmAllreduce::ShmAllreduce(std::string name, int64_t rank, int64_t world_size, b
   } else {
     const bool same = __atomic_load_n(&header.magic, __ATOMIC_ACQUIRE) == kMagic && header.version == kLayoutVersion &&
                       header.world_size == world_size_ && header.region_bytes == segment->region_bytes;
-    if (!same) {
-      munmap(base_, mapped_bytes_);
-      delete segment;
-      segment_ = nullptr;
-      base_ = nullptr;
-    }
+    if (!same) munmap(base_, mapped_bytes_);  // the destructor does not run for a constructor that throws
     TORCH_CHECK(same, "ShmAllreduce: ", name_, " does not hold the layout rank ", rank_,
                 " expects (another pydist version, or another group?)");
   }
@@ -220,13 +215,10 @@ ShmAllreduce::~ShmAllreduce() {
     stopping_ = true;
   }
   wake_worker_.notify_all();
-  if (worker_.joinable()) worker_.join();  // it empties the queue first: those jobs fail fast
-  if (segment_) {
-    store(&segment_->ranks[rank_].state, kDetached);
-    for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(rank_, phase));
-    delete segment_;
-  }
-  if (base_) munmap(base_, mapped_bytes_);
+  worker_.join();  // it empties the queue first: those jobs fail fast
+  store(&segment_->ranks[rank_].state, kDetached);
+  for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(rank_, phase));
+  munmap(base_, mapped_bytes_);
 }
 
 void ShmAllreduce::unlink() { shm_unlink(name_.c_str()); }

@@ -128,7 +128,7 @@ class ShmAllreduce {
   std::chrono::milliseconds timeout_;
   void* base_ = nullptr;  // the mapping, of mapped_bytes_
   size_t mapped_bytes_ = 0;
-  ShmSegment* segment_ = nullptr;  // views of base_
+  std::unique_ptr<ShmSegment> segment_;  // views of base_
   uint32_t pieces_done_ = 0;  // pieces this rank has run; the k of the protocol
 
   // Jobs from allreduce() to the worker.

@@ -79,18 +79,11 @@ def _map_segment(rank: int, world_size: int, group) -> tuple[_C.ShmAllreduce | N
     timeout_s = _timeout(group).total_seconds()
     shm, failure = None, None
     names: list = [None] * world_size
-    name = f"/pydist-{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None
     if rank == 0:
-        try:
-            shm = _C.ShmAllreduce(name, rank, world_size, create=True, timeout_s=timeout_s)
-        except RuntimeError as exc:
-            failure, name = f"rank 0: {exc}", None
-    dist.all_gather_object(names, name, group=group)
+        shm, failure = _attach(f"/pydist-{os.getpid()}-{secrets.token_hex(6)}", rank, world_size, timeout_s)
+    dist.all_gather_object(names, shm.name if shm is not None else None, group=group)
     if rank != 0 and names[0] is not None:
-        try:
-            shm = _C.ShmAllreduce(names[0], rank, world_size, create=False, timeout_s=timeout_s)
-        except RuntimeError as exc:
-            failure = f"rank {rank}: {exc}"
+        shm, failure = _attach(names[0], rank, world_size, timeout_s)
     failures: list = [None] * world_size
     dist.all_gather_object(failures, failure, group=group)
     if rank == 0 and shm is not None:
@@ -99,6 +92,14 @@ def _map_segment(rank: int, world_size: int, group) -> tuple[_C.ShmAllreduce | N
     if failures:
         return None, "; ".join(failures)
     return shm, ""
+
+
+def _attach(name: str, rank: int, world_size: int, timeout_s: float) -> tuple[_C.ShmAllreduce | None, str | None]:
+    """This rank's end of segment ``name`` (rank 0 creates it), or (None, why not)."""
+    try:
+        return _C.ShmAllreduce(name, rank, world_size, create=(rank == 0), timeout_s=timeout_s), None
+    except RuntimeError as exc:
+        return None, f"rank {rank}: {exc}"
 
 
 def _timeout(group) -> datetime.timedelta:
