@@ -13,13 +13,22 @@ What happens in one training step (see csrc/reducer/reducer.h for the C++ half):
               an autograd callback waits and writes averaged grads back
 
 Python runs a few times per step, never per gradient.
+
+The class subclasses torch's ``DistributedDataParallel`` so that library code
+testing ``isinstance(model, torch.nn.parallel.DistributedDataParallel)``
+(unwrap helpers, ``torch.distributed.checkpoint.state_dict``, Dynamo's
+DDPOptimizer) treats it as one, but never runs torch's ``__init__``: there is
+no torch reducer and no ``dist.Logger`` here. See [Note: the torch DDP
+surface] for what every inherited method does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+import warnings
+import weakref
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,7 +57,53 @@ _UNSUPPORTED_KEYWORDS: dict[str, Any] = {
 }
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+# [Note: the torch DDP surface]
+# pydist's wrapper is a torch DDP to isinstance, so every method it inherits
+# must either do what torch's does, over pydist's state, or raise
+# NotImplementedError naming itself: an inherited method that reached for
+# torch's reducer would half-work. Implemented with torch's meaning:
+# forward, no_sync, register_comm_hook, _register_builtin_comm_hook,
+# _register_fused_optim (through register_comm_hook, as torch does),
+# _set_static_graph (before the first forward), parameters_to_ignore and
+# _set_params_and_buffers_to_ignore_for_model (inherited: it only marks the
+# module), will_sync_module_buffers, _get_ddp_logging_data / logger (what
+# pydist knows), join and its hooks, pickling and deepcopy, and the inherited
+# helpers that only read attributes (scatter, gather, to_kwargs, train,
+# _get_active_ddp_module, _inside_ddp_forward, _distributed_rank,
+# _set_ddp_sink_clone, _get_data_parallel_params). Refused: the methods in
+# _NOT_IMPLEMENTED below.
+_NOT_IMPLEMENTED = {
+    "_register_buffer_comm_hook": "buffer comm hooks",
+    "_remove_autograd_hooks": "removing the reducer's hooks (dropping the wrapper removes them)",
+    "_check_reducer_finalized": "the reducer-finalized check",
+    "_set_sparse_metadata": "sparse gradients",
+    "_update_process_group": "changing the process group of a live wrapper",
+    "_set_ddp_runtime_logging_sample_rate": "sampled runtime logging (pydist records every iteration with record_timing=True)",
+    "_ddp_init_helper": "torch's reducer construction",
+    "_build_params_for_reducer": "torch's reducer construction",
+    "_register_accum_grad_hook": "torch's compiled-autograd Python reducer",
+    "_register_delay_all_reduce_hook": "delay_all_reduce_named_params",
+    "_delayed_all_reduce_hook": "delay_all_reduce_named_params",
+    "_setup_in_backward_optimizers": "optimizers applied in backward (_apply_optimizer_in_backward)",
+    "_lazy_init": "optimizers applied in backward (_apply_optimizer_in_backward)",
+    "_fire_reducer_autograd_hook": "torch's compiled-autograd Python reducer",
+    "_root_copy_hook": "mixed_precision",
+    "_module_wait_for_copy_hook": "mixed_precision",
+    "_clear_grad_buffer": "delay_all_reduce_named_params",
+}
+
+
+def _not_implemented(name: str, what: str):
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"DistributedDataParallel.{name}: pydist does not implement {what}; use torch.nn.parallel.DistributedDataParallel"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """Data parallelism at module level, with torch DDP's constructor and
     behaviour. pydist-only keywords: ``first_bucket_cap_mb`` (size of the
     first, small bucket; default 1 MB when ``bucket_cap_mb`` is not given,
@@ -82,7 +137,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         record_timing: bool = False,
         **torch_keywords: Any,
     ):
-        super().__init__()
+        # Not torch DDP's __init__: it would build torch's reducer. See
+        # [Note: the torch DDP surface].
+        nn.Module.__init__(self)
         Joinable.__init__(self)
         _reject_unsupported(torch_keywords)
         if not dist.is_initialized():
@@ -92,15 +149,23 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
+        # torch's parameters_to_ignore: qualified names of parameters and
+        # buffers left out of every synchronization (construction broadcast,
+        # gradient averaging, buffer broadcast), set on the module by
+        # _set_params_and_buffers_to_ignore_for_model before wrapping.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        _check_module_supported(module, self.parameters_to_ignore)
         self.device = _module_device(module, device_ids)
         self.device_ids = device_ids
         self.output_device = output_device
         self.dim = dim
         self.broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers
+        self.forward_sync_buffers = self.broadcast_buffers  # torch >= 2.13's name for it
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self._rank = dist.get_rank()
+        _set_torch_ddp_attributes(self)
 
         # Gradients are synchronized unless inside no_sync(); buffers are
         # broadcast before a forward only when the previous forward synced.
@@ -114,19 +179,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             first_bucket_cap_mb = bucketing.DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else cap_mb
         self.bucket_bytes_cap = int(cap_mb * bucketing.MB)
         self.first_bucket_bytes_cap = int(first_bucket_cap_mb * bucketing.MB)
+        # What the reducer is built from, kept so that _set_static_graph and
+        # unpickling can build it again.
+        self._record_timing = record_timing
+        self._chunk_bytes = int(allreduce_chunk_mb * bucketing.MB)
 
-        # The parameters the reducer owns: those that require grad, each once
-        # (tied parameters are one parameter), in model order.
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
+        self._collect_params()
+        if not self._params:
             raise RuntimeError("DistributedDataParallel: the module has no parameter that requires grad")
-        self._param_names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        self._buffers_to_sync = [b for _, b in module.named_buffers()]
 
         if init_sync:
-            verify_same_model(list(module.named_parameters()), self.process_group)
-            states = [p for _, p in module.named_parameters()]
+            synced = self._synced_params()
+            verify_same_model(synced, self.process_group)
+            states = [p for _, p in synced]
             if self.broadcast_buffers:
                 states += self._buffers_to_sync
             broadcast_tensors(states, src=_global_rank(self.process_group, 0), group=self.process_group)
@@ -134,37 +199,110 @@ class DistributedDataParallel(nn.Module, Joinable):
         # This rank's end of the shared-memory transport, or None: gradients
         # go through the process group. Lives as long as the reducer.
         self._shm = open_shm_allreduce(self._params, self.process_group, shm_allreduce)
-        self.reducer = _C.Reducer(
-            self._params,
-            self._param_names,
-            bucketing.initial_buckets(
-                self._params, self.first_bucket_bytes_cap, self.bucket_bytes_cap, find_unused_parameters, static_graph
-            ),
-            self.process_group,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            record_timing=record_timing,
-            chunk_bytes=int(allreduce_chunk_mb * bucketing.MB),
-            shm=self._shm,
-        )
-        # static_graph: the first backward is reduced all at once at its end;
-        # this flag records that the callback doing it has been queued.
-        self._static_graph_delay_enqueued = False
+        self.reducer = self._make_reducer()
         # join(divide_by_initial_world_size=...): average over the world size
         # (True, torch's default) or over the ranks not yet joined.
         self._divide_by_initial_world_size = True
         self._averaging_over_active_ranks = False
+        # Forwards run with gradients synchronized (torch's reducer counts the
+        # same): _set_static_graph is refused after the first.
+        self._num_sync_forwards = 0
+        # (state, hook) given to register_comm_hook; re-registered when
+        # _set_static_graph builds the reducer again.
+        self._comm_hook: tuple | None = None
+        # torch's `logger` (a dist.Logger there): what _get_ddp_logging_data reports.
+        self.logger = DDPLogger(self)
+
+    def _collect_params(self) -> None:
+        """The parameters the reducer owns: those that require grad and are
+        not ignored, each once (tied parameters are one parameter), in model
+        order; and the buffers to broadcast."""
+        ignored = self.parameters_to_ignore
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in ignored]
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        # Where each of them is registered and its dtype, to notice a
+        # parameter replaced after wrapping: see [Note: replaced parameters].
+        self._param_slots = [_owner_slot(self.module, n) for n in self._param_names]
+        self._param_dtypes = [p.dtype for p in self._params]
+        self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in ignored]
+
+    def _synced_params(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter kept equal across ranks (requires grad or not), but the ignored."""
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _make_reducer(self) -> _C.Reducer:
+        self._static_graph_delay_enqueued = False  # see _StaticGraphSink
+        self._has_rebuilt_buckets = False  # a new reducer rebuilds its buckets after its first iteration
+        return _C.Reducer(
+            self._params,
+            self._param_names,
+            bucketing.initial_buckets(
+                self._params, self.first_bucket_bytes_cap, self.bucket_bytes_cap, self.find_unused_parameters, self.static_graph
+            ),
+            self.process_group,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            record_timing=self._record_timing,
+            chunk_bytes=self._chunk_bytes,
+            shm=self._shm,
+        )
+
+    # --- pickling and deepcopy ------------------------------------------------
+
+    def __getstate__(self):
+        """As torch DDP: the process group, reducer and transport stay behind;
+        __setstate__ builds them again on the default group."""
+        self._check_default_group()
+        state = dict(self.__dict__)
+        for name in ("process_group", "reducer", "_shm", "logger", "_comm_hook", "_params", "_param_slots"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        nn.Module.__setstate__(self, state)
+        self.process_group = dist.group.WORLD
+        self._collect_params()
+        # [Note: an unpickled wrapper reduces on the process group]
+        # Opening the shared-memory transport is a collective, and torch
+        # unpickles a DDP with none (torch.load on one rank must not wait for
+        # the others), so the copy all-reduces on the group.
+        self._shm = None
+        self._comm_hook = None  # torch does not carry comm hooks over either
+        self.reducer = self._make_reducer()
+        self.logger = DDPLogger(self)
+
+    def _check_default_group(self) -> None:
+        if self.process_group is not dist.group.WORLD and self.process_group != dist.distributed_c10d._get_default_group():
+            raise RuntimeError(
+                "DistributedDataParallel: pickling and deepcopy are only supported with the default process group "
+                "(as torch DDP): construct it without process_group= to copy it"
+            )
 
     # --- forward ------------------------------------------------------------
 
+    # [Note: DDP under torch.compile]
+    # As torch does for its own DDP, Dynamo does not trace the wrapper's
+    # bookkeeping: forward's own frame is skipped (recursive=False, so the
+    # wrapped module's frames are still compiled), and _pre_forward /
+    # _post_forward run eagerly with everything they call. The module runs
+    # inside torch's _inside_ddp_forward, which makes this wrapper the
+    # "active DDP module" Dynamo's DDPOptimizer splits graphs for, at
+    # bucket_bytes_cap. Nothing the reducer does then reaches a guard, so
+    # the bucket rebuild after the first iteration recompiles nothing.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("pydist.DistributedDataParallel.forward"):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-            output = self.module(*inputs, **kwargs)
+            with self._inside_ddp_forward():
+                output = self.module(*inputs, **kwargs)
             return self._post_forward(output)
 
+    @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():
+            self._check_params_unchanged()
         work = Join.notify_join_context(self)
         if work is not None and not self._divide_by_initial_world_size:
             # Average over the ranks still training: the join context's
@@ -177,6 +315,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._averaging_over_active_ranks = False
         if torch.is_grad_enabled():
             self._maybe_rebuild_buckets()
+            if self.require_backward_grad_sync:
+                self._num_sync_forwards += 1
+                self.logger.note_iteration()
         if self._will_sync_buffers():
             self._sync_buffers()
         if self._join_config.enable:
@@ -185,6 +326,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         return inputs, kwargs
 
+    @torch._disable_dynamo
     def _post_forward(self, output):
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
             self.require_forward_param_sync = False
@@ -196,6 +338,24 @@ class DistributedDataParallel(nn.Module, Joinable):
             output = _wrap_outputs_in_sink(self, output)
         return output
 
+    # [Note: replaced parameters]
+    # The reducer hooks the parameter tensors it was given. A parameter
+    # replaced afterwards (module.to_empty(), or a .to() that makes new
+    # Parameters) would train on without its gradient ever being averaged,
+    # and one whose dtype changed (.double()) no longer fits its bucket. Both
+    # are refused at the next forward, before any rank diverges. The check is
+    # a dict lookup and a dtype compare per parameter.
+    def _check_params_unchanged(self) -> None:
+        for (owner, key), p, dtype, name in zip(self._param_slots, self._params, self._param_dtypes, self._param_names):
+            if owner._parameters.get(key) is not p or p.dtype != dtype:
+                now = owner._parameters.get(key)
+                what = "was replaced by another tensor" if now is not p else f"changed dtype from {dtype} to {p.dtype}"
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter '{name}' {what} after the module was wrapped "
+                    "(module.to_empty(), .to(), .double() ...); its gradients would no longer be averaged. "
+                    "Materialize, move and cast the module first, then wrap it in DistributedDataParallel."
+                )
+
     def _maybe_rebuild_buckets(self) -> None:
         if not self.reducer.should_rebuild_buckets():
             return
@@ -203,11 +363,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._params, self.reducer.ready_order(), self.first_bucket_bytes_cap, self.bucket_bytes_cap
         )
         self.reducer.rebuild_buckets(bucketing.agree_on_buckets(mine, len(self._params), self.process_group))
+        self._has_rebuilt_buckets = True
 
     # --- buffers ------------------------------------------------------------
 
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """torch's name for the buffers DDP broadcasts."""
+        return self._buffers_to_sync
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers from rank 0 (torch's meaning)."""
+        return self._will_sync_buffers()
+
     def _will_sync_buffers(self) -> bool:
         return self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers_to_sync)
+
+    def _check_and_sync_module_buffers(self) -> None:
+        if self._will_sync_buffers():
+            self._sync_buffers()
 
     def _sync_buffers(self, joined: bool = False) -> None:
         src = _global_rank(self.process_group, 0)
@@ -238,9 +412,52 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not callable(hook):
             raise TypeError("register_comm_hook: the hook must be callable")
         self.reducer.set_comm_hook(state, hook)
+        self._comm_hook = (state, hook)
+        self.logger.comm_hook = getattr(hook, "__qualname__", repr(hook))
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's built-in hooks, as the Python hooks of the same meaning."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        if comm_hook_type not in hooks:
+            raise NotImplementedError(f"_register_builtin_comm_hook: pydist does not know {comm_hook_type}")
+        self.register_comm_hook(None, hooks[comm_hook_type])
+        self.logger.comm_hook = str(comm_hook_type)
 
     def _set_static_graph(self) -> None:
-        raise NotImplementedError("_set_static_graph: pass static_graph=True to the constructor instead")
+        """static_graph=True after construction, before the first forward (torch's rule)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self._num_sync_forwards:
+            raise RuntimeError(
+                "DistributedDataParallel._set_static_graph() must be called before the first forward "
+                f"({self._num_sync_forwards} have run); pass static_graph=True to the constructor instead"
+            )
+        self.static_graph = True
+        self.reducer = None  # its destructor unhooks the parameters before the new one hooks them
+        self.reducer = self._make_reducer()
+        if self._comm_hook is not None:
+            self.reducer.set_comm_hook(*self._comm_hook)
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+                "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be sure "
+                "these unused parameters will not change during training loop while calling `_set_static_graph`.",
+                stacklevel=2,
+            )
+
+    def _get_ddp_logging_data(self) -> dict:
+        """torch's logging dictionary, with the entries pydist knows (see DDPLogger)."""
+        data = self.logger._get_ddp_logging_data()
+        return {**data.strs_map, **data.ints_map}
+
+    def _log_and_throw(self, err_type, err_msg):
+        raise err_type(err_msg)
 
     def last_iteration_record(self) -> IterationRecord | None:
         """Per-bucket timings of the last synchronized backward (requires
@@ -249,6 +466,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def set_record_timing(self, on: bool) -> None:
         self.reducer.set_record_timing(on)
+        self._record_timing = on
 
     @property
     def allreduce_transport(self) -> str:
@@ -264,6 +482,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
         """Context manager for uneven inputs, as torch DDP's ``join``."""
+        self.logger.join_uneven_inputs = 1
         return Join(
             [self],
             enable,
@@ -299,12 +518,22 @@ class DistributedDataParallel(nn.Module, Joinable):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(t.item())
 
+    def _match_all_reduce_for_bwd_pass(self) -> None:
+        self.reducer.match_all_reduce_for_bwd_pass()
+
+    def _match_unused_params_allreduce(self) -> None:
+        self.reducer.match_unused_params_allreduce()
+
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         src = self._find_common_rank(self._rank, is_last_joiner)
-        states = [p for _, p in self.module.named_parameters()]
+        states = [p for _, p in self._synced_params()]
         if self.broadcast_buffers:
             states += self._buffers_to_sync
         broadcast_tensors(states, src=src, group=self.process_group)
+
+
+for _name, _what in _NOT_IMPLEMENTED.items():
+    setattr(DistributedDataParallel, _name, _not_implemented(_name, _what))
 
 
 class _DDPJoinHook(JoinHook):
@@ -323,9 +552,9 @@ class _DDPJoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
-        ddp.reducer.match_all_reduce_for_bwd_pass()
+        ddp._match_all_reduce_for_bwd_pass()
         if ddp.find_unused_parameters and not ddp.static_graph:
-            ddp.reducer.match_unused_params_allreduce()
+            ddp._match_unused_params_allreduce()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
@@ -424,3 +653,216 @@ def _reject_unsupported(keywords: dict[str, Any]) -> None:
                 f"DistributedDataParallel: pydist does not implement the torch keyword '{name}' "
                 f"(got {value!r}); leave it at {_UNSUPPORTED_KEYWORDS[name]!r} or use torch's DDP"
             )
+
+
+# --------------------------------------------------------------------------
+# Construction checks
+# --------------------------------------------------------------------------
+
+
+def _check_module_supported(module: nn.Module, ignored: set) -> None:
+    """Refuse, naming the parameter or layer and what to do, a module pydist
+    cannot reduce correctly. Local checks only: they run before any
+    collective, so every rank with such a module raises at once."""
+    for name, p in module.named_parameters():
+        if name in ignored:
+            continue
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter '{name}' is uninitialized (a lazy module). Modules with "
+                "uninitialized parameters can't be used with DistributedDataParallel: run a dummy forward pass "
+                "to initialize them, then wrap the module"
+            )
+        if p.is_meta:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter '{name}' is on the meta device (deferred initialization). "
+                "Materialize the module first, then wrap it: module.to_empty(device=...), initialize its "
+                "parameters (e.g. reset_parameters() on each submodule), then DistributedDataParallel(module). "
+                "Materializing after wrapping replaces the parameters DDP hooked."
+            )
+        if p.layout != torch.strided:
+            raise NotImplementedError(
+                f"DistributedDataParallel: parameter '{name}' has layout {p.layout}; pydist reduces dense "
+                "(strided) parameters only. Use torch.nn.parallel.DistributedDataParallel for sparse parameters"
+            )
+        if p.is_complex():
+            raise NotImplementedError(
+                f"DistributedDataParallel: parameter '{name}' is {p.dtype}; pydist reduces real floating-point "
+                "parameters only. Store it as a real tensor (torch.view_as_real, shape [..., 2]) and view it as "
+                "complex in forward, or use torch.nn.parallel.DistributedDataParallel"
+            )
+    for name, b in module.named_buffers():
+        if name not in ignored and b.is_meta:
+            raise RuntimeError(
+                f"DistributedDataParallel: buffer '{name}' is on the meta device. Materialize the module "
+                "first (module.to_empty(device=...) and initialize it), then wrap it"
+            )
+    device_types = {p.device.type for n, p in module.named_parameters() if n not in ignored}
+    for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse:
+            if layer.weight.requires_grad and f"{name}.weight".lstrip(".") not in ignored:
+                raise NotImplementedError(
+                    f"DistributedDataParallel: '{name}' is a {type(layer).__name__}(sparse=True), whose weight gets "
+                    "sparse gradients; pydist averages dense gradients only. Construct it with sparse=False, or "
+                    "use torch.nn.parallel.DistributedDataParallel (which reduces sparse gradients)"
+                )
+        if isinstance(layer, nn.SyncBatchNorm) and "cpu" in device_types:
+            # torch: ValueError("SyncBatchNorm layers only work with GPU modules")
+            raise ValueError(
+                f"DistributedDataParallel: SyncBatchNorm layers only work with GPU modules, and '{name}' is a "
+                "SyncBatchNorm in a CPU module. Use torch.nn.BatchNorm* on CPU (DDP broadcasts rank 0's "
+                "running statistics before every forward)"
+            )
+
+
+def _owner_slot(module: nn.Module, qualified_name: str) -> tuple[nn.Module, str]:
+    """The submodule a parameter is registered on and its key there."""
+    owner_name, _, key = qualified_name.rpartition(".")
+    return module.get_submodule(owner_name), key
+
+
+def _set_torch_ddp_attributes(ddp: DistributedDataParallel) -> None:
+    """Attributes torch DDP's __init__ sets that inherited helpers and Dynamo
+    read, with the values that describe pydist's wrapper."""
+    ddp._use_python_reducer = False  # Dynamo's optimize_ddp="python_reducer" mode: not supported
+    ddp._delay_all_reduce_params = []
+    ddp._delay_all_reduce_all_params = False
+    ddp._delay_grad_buffer = None
+    ddp.mixed_precision = None
+    ddp.device_type = ddp.device.type
+    ddp.is_multi_device_module = False
+    ddp._module_parameters = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+    ddp.broadcast_bucket_size = 250 * 1024 * 1024
+    ddp.use_side_stream_for_tensor_copies = False
+    ddp.skip_all_reduce_unused_params = False
+    ddp.batched_grad_copy = False
+    ddp._comm_hooks = []
+    ddp._has_rebuilt_buckets = False
+    ddp._lazy_init_ran = True
+    ddp._ddp_sink_clone = True
+
+
+# --------------------------------------------------------------------------
+# torch's DDP logging data
+# --------------------------------------------------------------------------
+
+
+class DDPLoggingData(NamedTuple):
+    """The shape of torch's ``dist.DDPLoggingData``: string and integer entries."""
+
+    strs_map: dict
+    ints_map: dict
+
+
+class DDPLogger:
+    """Stands where torch DDP keeps its ``dist.Logger``: ``ddp.logger``.
+
+    ``_get_ddp_logging_data()`` gives the entries of torch's logging data
+    that pydist knows, under torch's names and meanings: the construction
+    arguments, the model (``num_parameter_tensors``, ``total_parameter_size_bytes``,
+    ``dtypes``), the buckets (``bucket_sizes`` at construction,
+    ``rebuilt_bucket_sizes`` and ``rebuilt_per_bucket_param_indices`` after the
+    rebuild), ``iteration`` and, when ``record_timing`` is on, torch's
+    backward averages in nanoseconds (``avg_backward_compute_time``: end of
+    forward to end of autograd; ``avg_backward_comm_time``: first bucket
+    launch to last completion; ``avg_backward_compute_comm_overlap_time``:
+    first launch to end of autograd). Torch samples its runtime statistics
+    (the first 10 iterations, then every 100th); pydist averages every
+    iteration it recorded. Entries pydist does not measure (forward compute
+    time, NCCL and environment details) are absent rather than invented."""
+
+    def __init__(self, ddp: DistributedDataParallel):
+        self._ddp = weakref.ref(ddp)  # no cycle: the wrapper's reducer must die with it
+        self.comm_hook: str | None = None
+        self.join_uneven_inputs = 0
+        self.initial_bucket_sizes = self._bucket_sizes(ddp)
+        # sums over the recorded iterations, folded in by note_iteration
+        self._recorded = 0
+        self._last_folded = -1
+        self._sums = {"backward_compute_time": 0, "backward_comm_time": 0, "backward_compute_comm_overlap_time": 0}
+        self._last = dict.fromkeys(self._sums, 0)
+
+    @staticmethod
+    def _bucket_sizes(ddp) -> list[int]:
+        return [sum(ddp._params[i].numel() * ddp._params[i].element_size() for i in b) for b in ddp.reducer.bucket_indices()]
+
+    def note_iteration(self) -> None:
+        """Fold the reducer's last record into the averages (each once); called before each forward."""
+        ddp = self._ddp()
+        if ddp is None or not ddp._record_timing:
+            return
+        rec = ddp.reducer.last_record()
+        if rec.iteration < 0 or rec.iteration == self._last_folded or not rec.buckets:
+            return
+        self._last_folded = rec.iteration
+        first_launch = min(b.launch_ns for b in rec.buckets)
+        last_complete = max(b.complete_ns for b in rec.buckets)
+        self._last = {
+            "backward_compute_time": rec.backward_end_ns,
+            "backward_comm_time": max(0, last_complete - first_launch),
+            "backward_compute_comm_overlap_time": max(0, rec.backward_end_ns - first_launch),
+        }
+        for k, v in self._last.items():
+            self._sums[k] += v
+        self._recorded += 1
+
+    def _get_ddp_logging_data(self) -> DDPLoggingData:
+        ddp = self._ddp()
+        if ddp is None:
+            raise RuntimeError("DDPLogger: its DistributedDataParallel is gone")
+        self.note_iteration()
+        params = ddp._params
+        strs = {
+            "backend_name": dist.get_backend(ddp.process_group),
+            "bucket_sizes": ", ".join(map(str, self.initial_bucket_sizes)),
+            "device_ids": ", ".join(map(str, ddp.device_ids or [])),
+            "dtypes": ", ".join(sorted({_dtype_name(p.dtype) for p in params})),
+            "module_name": type(ddp.module).__name__,
+        }
+        ints = {
+            "broadcast_buffers": int(ddp.broadcast_buffers),
+            "bucket_cap_bytes": ddp.bucket_bytes_cap,
+            "find_unused_parameters": int(ddp.find_unused_parameters),
+            "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in ddp.module.modules())),
+            "is_multi_device_module": 0,
+            "iteration": max(ddp._num_sync_forwards - 1, 0),
+            "num_parameter_tensors": len(params),
+            "output_device": -1 if ddp.output_device is None else int(ddp.output_device),
+            "rank": dist.get_rank(ddp.process_group),
+            "static_graph": int(ddp.static_graph),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "world_size": dist.get_world_size(ddp.process_group),
+            "join_uneven_inputs": self.join_uneven_inputs,
+        }
+        if self.comm_hook is not None:
+            strs["comm_hook"] = self.comm_hook
+        if ddp._has_rebuilt_buckets:
+            strs["rebuilt_bucket_sizes"] = ", ".join(map(str, self._bucket_sizes(ddp)))
+            strs["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b)) for b in ddp.reducer.bucket_indices())
+            ints["has_rebuilt_buckets"] = 1
+        if self._recorded:
+            for k, v in self._sums.items():
+                ints[f"avg_{k}"] = v // self._recorded
+                ints[k] = self._last[k]
+        return DDPLoggingData(strs, ints)
+
+    # torch's dist.Logger methods that library code calls
+    def _set_comm_hook_name(self, name: str) -> None:
+        self.comm_hook = name
+
+    def _set_uneven_input_join(self) -> None:
+        self.join_uneven_inputs = 1
+
+    def _set_static_graph(self) -> None:
+        pass  # read from the wrapper
+
+    def set_error_and_log(self, message: str) -> None:
+        pass  # the error itself is raised; nothing is sent anywhere
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """torch's logging name of a dtype (c10's: "float", "double", "c10::BFloat16", ...)."""
+    return {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
