@@ -1,0 +1,282 @@
+"""Library code that expects torch's DDP gets what it expects from pydist's,
+checked beside stock torch DDP on the same seeds and data (2 spawned gloo
+ranks: bitwise, see [Note: when the suite asserts bitwise equality]).
+
+- ``copy.deepcopy(model)`` and ``torch.save(model)`` / ``torch.load``: the
+  copy trains on, with torch DDP's losses and parameters.
+- ``isinstance(model, torch.nn.parallel.DistributedDataParallel)``, and
+  ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` gives
+  torch DDP's keys.
+- torch DDP's surface: ``_set_static_graph()`` before the first forward (and
+  its refusal after), parameters and buffers ignored through
+  ``_set_params_and_buffers_to_ignore_for_model``, ``will_sync_module_buffers()``,
+  ``_get_ddp_logging_data()`` / ``logger``, ``_register_fused_optim``,
+  ``_register_builtin_comm_hook``; the inherited methods pydist does not
+  implement raise ``NotImplementedError`` naming themselves.
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_harness import ddp_class, pack, unpack
+from ddp_models import IN_FEATURES, build_model
+from pydist.spawn import run_ranks
+
+IMPLS = ("torch", "pydist")
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(rank * 10_007 + step * 101)
+    return torch.randn(8, IN_FEATURES, generator=g)
+
+
+def _steps(ddp, rank, first, count, opt=None):
+    """``count`` SGD steps on batches ``first...``; returns the losses."""
+    opt = opt or torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(first, first + count):
+        loss = ddp(_batch(rank, step)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _state(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _assert_same(results, what):
+    for rank, r in enumerate(results):
+        ref, got = r["torch"], r["pydist"]
+        for key in ref[what] if isinstance(ref[what], dict) else [None]:
+            a = ref[what] if key is None else ref[what][key]
+            b = got[what] if key is None else got[what][key]
+            ok = torch.equal(a, b) if torch.is_tensor(a) else a == b
+            assert ok, f"rank {rank} {what} {key or ''}: pydist {b} != torch DDP's {a}"
+
+
+# --------------------------------------------------------------------------
+# deepcopy and pickle
+# --------------------------------------------------------------------------
+
+
+def _copies(rank, world_size):
+    out = {}
+    for impl in IMPLS:
+        dist.barrier()
+        torch.manual_seed(0)
+        ddp = ddp_class(impl)(build_model("batchnorm"))
+        r = {"before": _steps(ddp, rank, 0, 2)}
+        copied = copy.deepcopy(ddp)
+        r["deepcopy_type"] = type(copied).__name__
+        r["deepcopy"] = _steps(copied, rank, 2, 3)
+        r["deepcopy_state"] = _state(copied.module)
+        buf = io.BytesIO()
+        torch.save(ddp, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        r["pickle"] = _steps(loaded, rank, 2, 3)
+        r["pickle_state"] = _state(loaded.module)
+        r["original"] = _steps(ddp, rank, 2, 3)  # the original is untouched by the copies and trains on
+        r["original_state"] = _state(ddp.module)
+        out[impl] = r
+    return pack(out)
+
+
+@pytest.mark.timeout(120)
+def test_deepcopy_and_pickle_train_on_like_torch():
+    results = [unpack(b) for b in run_ranks(_copies, 2, timeout=90)]
+    for what in ("before", "deepcopy", "deepcopy_state", "pickle", "pickle_state", "original", "original_state"):
+        _assert_same(results, what)
+    assert results[0]["pydist"]["deepcopy_type"] == "DistributedDataParallel"
+    # the copies' gradients were averaged: every rank ends with the same
+    # parameters (buffers carry the last forward's local update)
+    for what in ("deepcopy_state", "pickle_state"):
+        for key, t in results[0]["pydist"][what].items():
+            if key.startswith("bn.running") or key.endswith("num_batches_tracked"):
+                continue
+            assert torch.equal(t, results[1]["pydist"][what][key]), f"{what} {key} differs across ranks"
+
+
+# --------------------------------------------------------------------------
+# the type, and torch.distributed.checkpoint's state dict
+# --------------------------------------------------------------------------
+
+
+def _type_and_checkpoint(rank, world_size):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    out = {}
+    for impl in IMPLS:
+        dist.barrier()
+        torch.manual_seed(0)
+        ddp = ddp_class(impl)(build_model("batchnorm"))
+        _steps(ddp, rank, 0, 1)
+        sd = get_model_state_dict(ddp)
+        out[impl] = {
+            "isinstance": isinstance(ddp, torch.nn.parallel.DistributedDataParallel),
+            "keys": list(sd),
+            "values": {k: v.clone() for k, v in sd.items()},
+        }
+    # a checkpoint written through torch's API from one loads into the other
+    torch.manual_seed(1)
+    target = ddp_class("pydist")(build_model("batchnorm"))
+    set_model_state_dict(target, dict(out["torch"]["values"]))  # it renames keys in place
+    out["loaded"] = _state(target.module)
+    return pack(out)
+
+
+@pytest.mark.timeout(90)
+def test_isinstance_torch_ddp_and_checkpoint_state_dict_keys():
+    results = [unpack(b) for b in run_ranks(_type_and_checkpoint, 2, timeout=60)]
+    for r in results:
+        assert r["pydist"]["isinstance"] and r["torch"]["isinstance"]
+        assert r["pydist"]["keys"] == r["torch"]["keys"], (r["pydist"]["keys"], r["torch"]["keys"])
+        assert not any(k.startswith("module.") for k in r["pydist"]["keys"])
+        for k, v in r["torch"]["values"].items():
+            assert torch.equal(r["pydist"]["values"][k], v), k
+            assert torch.equal(r["loaded"][k], v), f"{k} not loaded from torch DDP's checkpoint"
+
+
+# --------------------------------------------------------------------------
+# torch DDP's surface
+# --------------------------------------------------------------------------
+
+IGNORED = ["fc1.bias", "bn.running_mean"]
+
+
+def _surface(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: F401
+
+    out = {}
+    for impl in IMPLS:
+        cls = ddp_class(impl)
+        r = {}
+        # _set_static_graph() after construction, before the first forward
+        dist.barrier()
+        torch.manual_seed(0)
+        ddp = cls(build_model("mlp"))
+        ddp._set_static_graph()
+        r["static_graph"] = _steps(ddp, rank, 0, 3)
+        r["static_graph_state"] = _state(ddp.module)
+        # ... and after it
+        torch.manual_seed(0)
+        ddp = cls(build_model("mlp"))
+        _steps(ddp, rank, 0, 1)
+        try:
+            ddp._set_static_graph()
+            r["static_graph_late"] = "accepted"
+        except RuntimeError:
+            r["static_graph_late"] = "RuntimeError"
+        # ignored parameters and buffers: each rank keeps its own
+        dist.barrier()
+        torch.manual_seed(rank)  # ranks build different weights
+        module = build_model("batchnorm")
+        with torch.no_grad():
+            module.bn.running_mean.add_(rank)
+        cls._set_params_and_buffers_to_ignore_for_model(module, IGNORED)
+        ddp = cls(module)
+        r["parameters_to_ignore"] = sorted(ddp.parameters_to_ignore)
+        r["will_sync_before"] = ddp.will_sync_module_buffers()
+        r["ignored"] = _steps(ddp, rank, 0, 3)
+        r["ignored_state"] = _state(ddp.module)
+        with torch.no_grad():
+            ddp(_batch(rank, 9))
+        r["will_sync_after_no_grad"] = ddp.will_sync_module_buffers()
+        # the logging data
+        dist.barrier()
+        torch.manual_seed(0)
+        ddp = cls(build_model("batchnorm"))
+        r["log_init"] = ddp._get_ddp_logging_data()
+        _steps(ddp, rank, 0, 3)
+        r["log_after"] = ddp._get_ddp_logging_data()
+        r["logger_type_has_data"] = hasattr(ddp.logger, "_get_ddp_logging_data")
+        # an optimizer fused into the gradient reduction
+        dist.barrier()
+        torch.manual_seed(0)
+        ddp = cls(build_model("mlp"))
+        ddp._register_fused_optim(torch.optim.SGD, 0.1)
+        losses = []
+        for step in range(3):
+            loss = ddp(_batch(rank, step)).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        r["fused_optim"] = losses
+        r["fused_optim_state"] = _state(ddp.module)
+        # torch's built-in fp16 hook
+        dist.barrier()
+        torch.manual_seed(0)
+        ddp = cls(build_model("mlp"))
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        r["builtin_hook"] = _steps(ddp, rank, 0, 3)
+        r["builtin_hook_state"] = _state(ddp.module)
+        out[impl] = r
+    # what pydist refuses, and how
+    ddp = ddp_class("pydist")(build_model("mlp"))
+    refused = {}
+    for name, args in [("_remove_autograd_hooks", ()), ("_check_reducer_finalized", ()),
+                       ("_update_process_group", (None,)), ("_set_sparse_metadata", ({},)),
+                       ("_register_buffer_comm_hook", (None, None)), ("_set_ddp_runtime_logging_sample_rate", (2,))]:
+        try:
+            getattr(ddp, name)(*args)
+            refused[name] = "accepted"
+        except NotImplementedError as e:
+            refused[name] = str(e)
+    out["refused"] = refused
+    return pack(out)
+
+
+# entries of torch's logging data whose meaning pydist shares and whose value
+# must then be torch's
+SHARED_LOG_KEYS = [
+    "backend_name", "bucket_sizes", "device_ids", "dtypes", "module_name", "broadcast_buffers", "bucket_cap_bytes",
+    "find_unused_parameters", "gradient_as_bucket_view", "has_sync_bn", "is_multi_device_module", "iteration",
+    "num_parameter_tensors", "output_device", "rank", "total_parameter_size_bytes", "world_size",
+]
+
+
+@pytest.mark.timeout(120)
+def test_torch_ddp_surface_methods_match_torch():
+    results = [unpack(b) for b in run_ranks(_surface, 2, timeout=90)]
+    for what in ("static_graph", "static_graph_state", "static_graph_late", "parameters_to_ignore",
+                 "will_sync_before", "ignored", "ignored_state", "will_sync_after_no_grad",
+                 "fused_optim", "fused_optim_state", "builtin_hook", "builtin_hook_state"):
+        _assert_same(results, what)
+    assert results[0]["pydist"]["static_graph_late"] == "RuntimeError"
+    # an ignored parameter stays rank-local (ranks built different weights),
+    # the others agree (buffers carry the last forward's local update)
+    a, b = results[0]["pydist"]["ignored_state"], results[1]["pydist"]["ignored_state"]
+    for key in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        assert torch.equal(a[key], b[key]) != (key in IGNORED), f"{key}: ignored={key in IGNORED} but ranks agree={torch.equal(a[key], b[key])}"
+    for rank, r in enumerate(results):
+        for when in ("log_init", "log_after"):
+            for key in SHARED_LOG_KEYS:
+                assert r["pydist"][when].get(key) == r["torch"][when].get(key), (
+                    f"rank {rank} {when} {key}: pydist {r['pydist'][when].get(key)!r}, torch {r['torch'][when].get(key)!r}"
+                )
+        assert r["pydist"]["log_after"]["has_rebuilt_buckets"] == r["torch"]["log_after"]["has_rebuilt_buckets"] == 1
+        assert r["pydist"]["log_after"]["rebuilt_bucket_sizes"] == r["torch"]["log_after"]["rebuilt_bucket_sizes"]
+        assert r["pydist"]["logger_type_has_data"]
+    for name, msg in results[0]["refused"].items():
+        assert msg != "accepted" and name in msg, f"{name}: {msg}"
+
+
+def _timing_log(rank, world_size):
+    torch.manual_seed(0)
+    ddp = ddp_class("pydist")(build_model("mlp"), record_timing=True)
+    _steps(ddp, rank, 0, 3)
+    return ddp._get_ddp_logging_data()
+
+
+@pytest.mark.timeout(60)
+def test_logging_data_averages_from_recorded_iterations():
+    log = run_ranks(_timing_log, 2, timeout=45)[0]
+    for key in ("avg_backward_compute_time", "avg_backward_comm_time", "avg_backward_compute_comm_overlap_time"):
+        assert key in log and log[key] >= 0, (key, log)
+    assert log["avg_backward_compute_time"] > 0
