@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -225,6 +226,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # parameter replaced after wrapping: see [Note: replaced parameters].
         self._param_slots = [_owner_slot(self.module, n) for n in self._param_names]
         self._param_dtypes = [p.dtype for p in self._params]
+        self._param_owner_snapshots = _owner_snapshots(self._param_slots)
         self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in ignored]
 
     def _synced_params(self) -> list[tuple[str, torch.Tensor]]:
@@ -343,18 +345,28 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     # replaced afterwards (module.to_empty(), or a .to() that makes new
     # Parameters) would train on without its gradient ever being averaged,
     # and one whose dtype changed (.double()) no longer fits its bucket. Both
-    # are refused at the next forward, before any rank diverges. The check is
-    # a dict lookup and a dtype compare per parameter.
+    # are refused at the next forward, before any rank diverges. The check
+    # compares, in C loops, each owning module's registered parameters by
+    # identity with what was wrapped (every forward that computes
+    # gradients), and the parameters' dtypes (the first such forward).
     def _check_params_unchanged(self) -> None:
+        owners_unchanged = all(
+            len(owner._parameters) == len(snapshot) and all(map(operator.is_, owner._parameters.values(), snapshot))
+            for owner, snapshot in self._param_owner_snapshots
+        )
+        # dtypes cost a descriptor call each: checked on the first forward only
+        if owners_unchanged and (self._num_sync_forwards or list(map(_DTYPE_OF, self._params)) == self._param_dtypes):
+            return
         for (owner, key), p, dtype, name in zip(self._param_slots, self._params, self._param_dtypes, self._param_names):
-            if owner._parameters.get(key) is not p or p.dtype != dtype:
-                now = owner._parameters.get(key)
+            now = owner._parameters.get(key)
+            if now is not p or p.dtype != dtype:
                 what = "was replaced by another tensor" if now is not p else f"changed dtype from {dtype} to {p.dtype}"
                 raise RuntimeError(
                     f"DistributedDataParallel: parameter '{name}' {what} after the module was wrapped "
-                    "(module.to_empty(), .to(), .double() ...); its gradients would no longer be averaged. "
-                    "Materialize, move and cast the module first, then wrap it in DistributedDataParallel."
+                    "(module.to_empty(), load_state_dict(assign=True), .double() ...); its gradients would no longer "
+                    "be averaged. Materialize, move and cast the module first, then wrap it in DistributedDataParallel."
                 )
+        self._param_owner_snapshots = _owner_snapshots(self._param_slots)  # another parameter changed: not ours
 
     def _maybe_rebuild_buckets(self) -> None:
         if not self.reducer.should_rebuild_buckets():
@@ -719,6 +731,16 @@ def _owner_slot(module: nn.Module, qualified_name: str) -> tuple[nn.Module, str]
     """The submodule a parameter is registered on and its key there."""
     owner_name, _, key = qualified_name.rpartition(".")
     return module.get_submodule(owner_name), key
+
+
+def _owner_snapshots(slots) -> list[tuple[nn.Module, tuple]]:
+    """Per module owning some of the reducer's parameters, the parameters
+    registered on it now: the fast path of _check_params_unchanged."""
+    owners = {id(owner): owner for owner, _ in slots}
+    return [(owner, tuple(owner._parameters.values())) for owner in owners.values()]
+
+
+_DTYPE_OF = operator.attrgetter("dtype")
 
 
 def _set_torch_ddp_attributes(ddp: DistributedDataParallel) -> None:

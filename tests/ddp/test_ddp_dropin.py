@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_harness import ddp_class, pack, unpack
-from ddp_models import IN_FEATURES, build_model
+from ddp_models import IN_FEATURES, MLP, build_model
 from pydist.spawn import run_ranks
 
 IMPLS = ("torch", "pydist")
@@ -280,3 +280,71 @@ def test_logging_data_averages_from_recorded_iterations():
     for key in ("avg_backward_compute_time", "avg_backward_comm_time", "avg_backward_compute_comm_overlap_time"):
         assert key in log and log[key] >= 0, (key, log)
     assert log["avg_backward_compute_time"] > 0
+
+
+# --------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------
+
+
+def _compiled(rank, world_size):
+    """Per implementation: eager, then torch.compile with a backend that
+    counts the graphs it is given. Recompiling after the warm-up steps
+    raises (error_on_recompile)."""
+    import warnings
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for impl in IMPLS:
+        for mode in ("eager", "compiled"):
+            dist.barrier()
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            # a 2 MB model in 1 MB buckets: Dynamo's DDPOptimizer splits the
+            # graph at buckets (its first bucket is 1 MB, whatever the cap)
+            ddp = ddp_class(impl)(MLP(1024, 512), bucket_cap_mb=1)
+            graphs = []
+
+            def count_graphs(gm, example_inputs):
+                graphs.append(len(gm.graph.nodes))
+                return gm.forward
+
+            model = torch.compile(ddp, backend=count_graphs) if mode == "compiled" else ddp
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses = _steps(model, rank, 0, 2, opt)
+                warm = len(graphs)
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    losses += _steps(model, rank, 2, 4, opt)
+            out[(impl, mode)] = {
+                "losses": losses,
+                "state": _state(ddp.module),
+                "graphs_warm": warm,
+                "graphs_end": len(graphs),
+                "graph_breaks": sum(counters["graph_break"].values()),
+                "warnings": [str(w.message) for w in caught if "pybind11" in str(w.message) or "Dynamo" in str(w.message)],
+            }
+    return pack(out)
+
+
+@pytest.mark.timeout(240)
+def test_torch_compile_matches_eager_without_recompiles():
+    results = [unpack(b) for b in run_ranks(_compiled, 2, timeout=200)]
+    for rank, r in enumerate(results):
+        ref = r[("torch", "eager")]
+        for key in (("pydist", "eager"), ("torch", "compiled"), ("pydist", "compiled")):
+            assert r[key]["losses"] == ref["losses"], f"rank {rank} {key}: losses {r[key]['losses']} vs torch eager {ref['losses']}"
+            for name, t in ref["state"].items():
+                assert torch.equal(r[key]["state"][name], t), f"rank {rank} {key}: {name} differs from torch eager"
+        ours, theirs = r[("pydist", "compiled")], r[("torch", "compiled")]
+        assert ours["warnings"] == [], f"rank {rank}: Dynamo warned: {ours['warnings']}"
+        # no recompilation once warm (error_on_recompile would have raised),
+        # and not a graph more than torch DDP: the bookkeeping stays eager
+        assert ours["graphs_end"] == ours["graphs_warm"]
+        # DDPOptimizer split the graph at pydist's buckets as at torch's
+        assert ours["graphs_warm"] == theirs["graphs_warm"] > 1, (ours["graphs_warm"], theirs["graphs_warm"])
+        assert ours["graph_breaks"] <= theirs["graph_breaks"], (ours["graph_breaks"], theirs["graph_breaks"])
