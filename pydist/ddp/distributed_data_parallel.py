@@ -264,7 +264,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def __setstate__(self, state):
         nn.Module.__setstate__(self, state)
-        self.process_group = dist.group.WORLD
+        self.process_group = dist.distributed_c10d._get_default_group()  # raises if there is none, as torch
         self._collect_params()
         # [Note: an unpickled wrapper reduces on the process group]
         # Opening the shared-memory transport is a collective, and torch
@@ -288,17 +288,23 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     # As torch does for its own DDP, Dynamo does not trace the wrapper's
     # bookkeeping: forward's own frame is skipped (recursive=False, so the
     # wrapped module's frames are still compiled), and _pre_forward /
-    # _post_forward run eagerly with everything they call. The module runs
-    # inside torch's _inside_ddp_forward, which makes this wrapper the
-    # "active DDP module" Dynamo's DDPOptimizer splits graphs for, at
-    # bucket_bytes_cap. Nothing the reducer does then reaches a guard, so
+    # _post_forward run eagerly with everything they call. While the module
+    # runs, this wrapper is torch DDP's _active_ddp_module (what torch's
+    # _inside_ddp_forward sets): Dynamo's DDPOptimizer splits the graphs it
+    # compiles then at bucket_bytes_cap. Nothing the reducer does then reaches a guard, so
     # the bucket rebuild after the first iteration recompiles nothing.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("pydist.DistributedDataParallel.forward"):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-            with self._inside_ddp_forward():
+            # torch's _inside_ddp_forward, without its context manager's cost
+            # (this frame is never traced, so it needs no Dynamo guard)
+            torch_ddp = torch.nn.parallel.DistributedDataParallel
+            outer, torch_ddp._active_ddp_module = torch_ddp._active_ddp_module, self
+            try:
                 output = self.module(*inputs, **kwargs)
+            finally:
+                torch_ddp._active_ddp_module = outer
             return self._post_forward(output)
 
     @torch._disable_dynamo
