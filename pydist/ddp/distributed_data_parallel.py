@@ -227,7 +227,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._param_slots = [_owner_slot(self.module, n) for n in self._param_names]
         self._param_dtypes = [p.dtype for p in self._params]
         self._param_owner_snapshots = _owner_snapshots(self._param_slots)
-        self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in ignored]
+        self._assign_modules_buffers()
 
     def _synced_params(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter kept equal across ranks (requires grad or not), but the ignored."""
@@ -401,10 +401,17 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if self._will_sync_buffers():
             self._sync_buffers()
 
+    def _assign_modules_buffers(self) -> None:
+        """Collect the buffers to broadcast again, as torch does before each
+        broadcast: a buffer the module reassigned (self.x = new tensor) is
+        broadcast, not the one it dropped."""
+        self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
     def _sync_buffers(self, joined: bool = False) -> None:
         src = _global_rank(self.process_group, 0)
         if self._join_config.enable:
             src = self._find_common_rank(self._rank, not joined)
+        self._assign_modules_buffers()
         preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
         guard = preserve(tuple(self._buffers_to_sync)) if preserve else contextlib.nullcontext()
         with torch.no_grad(), guard:
