@@ -9,13 +9,28 @@ single FIFO thread per communicator keeps that order while the caller goes on
 computing: ``enqueue`` returns at once, ``MPIWork.wait`` blocks until the
 thread has run the op. Blocking MPI calls release the GIL (mpi4py does that),
 so the training thread keeps running Python meanwhile.
+
+[Note: the watchdog fails overdue works]
+An MPI call whose peer died never returns, and nothing can interrupt it: the
+MPI thread stays inside it. ``MPIWork.wait`` bounds itself by the group's
+timeout, but torch's DDP reducer (and any comm hook) waits on the work's
+*future*, which only the MPI thread would complete. So each ``CommThread``
+has a watchdog: when the oldest unfinished work is older than the group's
+timeout, it fails that work and every work queued behind it with
+``CollectiveTimeout`` (their futures raise), and the thread is marked stuck:
+later collectives on the group fail at once with the same error. A stuck
+thread is still inside MPI, so the process must not call ``MPI_Finalize`` at
+exit (it would crash under the collective); pydist aborts the job instead, see
+``stuck_groups`` in mpi4py_backend.py.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -44,26 +59,30 @@ class MPIWork(dist._Work):
         self.timeout_ = timeout  # the group's timeout, used when wait() gets none
         self.done_ = threading.Event()  # set by the MPI thread when the op ran
         self.error_: BaseException | None = None  # the op's exception, raised by wait()
-        self.future_ = torch.futures.Future()  # completed by the MPI thread
+        self.future_ = torch.futures.Future()  # completed by the MPI thread, or by the watchdog
+        self.deadline_ = time.monotonic() + timeout.total_seconds()  # the watchdog fails the work after it
+        self.finish_lock_ = threading.Lock()  # the MPI thread and the watchdog may both finish it
 
-    # -- called by the MPI thread --------------------------------------------
-    def finish(self, error: BaseException | None) -> None:
-        self.error_ = error
-        self.done_.set()
+    # -- called by the MPI thread, or by the watchdog ------------------------
+    def finish(self, error: BaseException | None) -> bool:
+        """Complete the work once; False if it was already completed."""
+        with self.finish_lock_:
+            if self.done_.is_set():
+                return False
+            self.error_ = error
+            self.done_.set()
         if error is None:
             self.future_.set_result(self.result_)
         else:
             self.future_.set_exception(error)
+        return True
 
     # -- called by the user / by torch ---------------------------------------
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         # torch passes timedelta(0) for "no timeout given" (kNoTimeout).
         limit = self.timeout_ if not timeout else timeout
         if not self.done_.wait(limit.total_seconds()):
-            raise CollectiveTimeout(
-                f"mpi4py backend: {self.description} did not finish within {limit.total_seconds():.0f} s; "
-                "a peer rank may have died or called a different collective"
-            )
+            raise CollectiveTimeout(timeout_message(self.description, limit))
         if self.error_ is not None:
             raise self.error_
         return True
@@ -81,20 +100,37 @@ class MPIWork(dist._Work):
         return self.future_
 
 
+def timeout_message(description: str, limit: datetime.timedelta) -> str:
+    return (f"mpi4py backend: {description} did not finish within {limit.total_seconds():g} s (the group's "
+            "timeout); a peer rank may have died, hung, or called a different collective")
+
+
 class CommThread:
     """Runs ops on one communicator, one at a time, in the order enqueued.
-    See [Note: one thread per group, in issue order]."""
+    See [Note: one thread per group, in issue order] and
+    [Note: the watchdog fails overdue works]."""
 
     _STOP = object()
 
     def __init__(self, name: str):
         self.queue_: queue.SimpleQueue = queue.SimpleQueue()  # (fn, work) pairs, or _STOP
+        self.pending_: collections.deque[MPIWork] = collections.deque()  # enqueued, not finished; issue order
+        self.cond_ = threading.Condition()  # guards pending_ and stuck_; wakes the watchdog
+        self.stuck_: CollectiveTimeout | None = None  # set once a work timed out: the thread is inside MPI for good
         self.thread_ = threading.Thread(target=self._run, name=name, daemon=True)
+        self.watchdog_ = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self.thread_.start()
+        self.watchdog_.start()
 
     def enqueue(self, fn: Callable[[], None], work: MPIWork) -> MPIWork:
         if not self.thread_.is_alive():
             raise RuntimeError(f"mpi4py backend: {work.description} was issued after its group was shut down")
+        with self.cond_:
+            if self.stuck_ is not None:
+                raise CollectiveTimeout(f"mpi4py backend: {work.description} cannot run: an earlier collective "
+                                        f"of this group timed out ({self.stuck_})")
+            self.pending_.append(work)
+            self.cond_.notify()
         self.queue_.put((fn, work))
         return work
 
@@ -102,6 +138,8 @@ class CommThread:
         while True:
             item = self.queue_.get()
             if item is self._STOP:
+                with self.cond_:
+                    self.cond_.notify()  # let the watchdog see the end
                 return
             fn, work = item
             try:
@@ -110,10 +148,40 @@ class CommThread:
                 work.finish(RuntimeError(f"mpi4py backend: {work.description} failed: {exc}"))
             else:
                 work.finish(None)
+            with self.cond_:
+                if self.pending_ and self.pending_[0] is work:
+                    self.pending_.popleft()
+
+    def _watch(self) -> None:
+        """See [Note: the watchdog fails overdue works]."""
+        with self.cond_:
+            while self.thread_.is_alive():
+                if not self.pending_:
+                    self.cond_.wait(1.0)
+                    continue
+                oldest = self.pending_[0]
+                left = oldest.deadline_ - time.monotonic()
+                if left > 0:
+                    self.cond_.wait(min(left, 1.0))
+                    continue
+                self.stuck_ = CollectiveTimeout(timeout_message(oldest.description, oldest.timeout_))
+                for work in self.pending_:
+                    work.finish(self.stuck_ if work is oldest else CollectiveTimeout(
+                        f"mpi4py backend: {work.description} was queued behind a collective that timed out "
+                        f"({self.stuck_})"))
+                self.pending_.clear()
+                return
+
+    @property
+    def stuck(self) -> bool:
+        """True once a collective timed out: the MPI thread may still be inside MPI."""
+        return self.stuck_ is not None
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Let queued ops finish, then end the thread. False if it is stuck
         (in a collective whose peers never came)."""
+        if self.stuck:
+            return not self.thread_.is_alive()
         if self.thread_.is_alive():
             self.queue_.put(self._STOP)
             self.thread_.join(timeout_s)
