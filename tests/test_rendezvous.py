@@ -364,3 +364,48 @@ def test_importing_pydist_does_not_start_mpi():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def run_python(code, **env):
+    clean = {k: v for k, v in os.environ.items() if k not in ALL_VARS and k != "MPI4PY_LIBMPI"}
+    clean.update(PYTHONPATH=REPO, **env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_missing_mpi4py_under_an_mpi_launcher_says_what_to_install():
+    """Issue 18 item 7: not a raw ModuleNotFoundError."""
+    done = run_python("""
+        import sys
+        sys.modules["mpi4py"] = None  # as if it were not installed
+        import pydist
+        pydist.init_process_group(timeout=5)
+    """, PMI_RANK="0", PMI_SIZE="2")
+    assert done.returncode != 0
+    assert "MPINotAvailable: init_process_group under mpich: this process was started by an MPI launcher" in done.stderr
+    assert "pip install 'pydist[mpi]'" in done.stderr
+
+
+def test_open_mpi_launch_without_open_mpi_library_says_what_to_set():
+    """Issue 18 item 8: under Open MPI's launcher with only the pip MPICH, refuse
+    before MPICH aborts every rank, naming MPI4PY_LIBMPI."""
+    done = run_python("""
+        from pydist.rendezvous import mpi_runtime
+        mpi_runtime._OPENMPI_DIRS = ()  # a machine without Open MPI's library
+        mpi_runtime.load_mpi("here")
+    """, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2")
+    assert done.returncode != 0
+    assert "MPINotAvailable: here: this job was started by Open MPI's mpirun" in done.stderr
+    assert "Set MPI4PY_LIBMPI=/path/to/openmpi/lib/libmpi.so.40" in done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/lib/x86_64-linux-gnu/libmpi.so.40"), reason="needs Open MPI's library")
+def test_open_mpi_library_is_chosen_for_mpi4py():
+    done = run_python("""
+        import os
+        from pydist.rendezvous import mpi_runtime
+        mpi_runtime._choose_libmpi("here")
+        print(os.environ["MPI4PY_LIBMPI"])
+    """, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "/usr/lib/x86_64-linux-gnu/libmpi.so.40"

@@ -124,7 +124,7 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
     @property
     def stuck(self) -> bool:
-        """A collective of this group timed out; its MPI thread may still be
+        """A collective of this group timed out and its MPI thread is still
         inside MPI. See [Note: the watchdog fails overdue works] in mpi_work.py."""
         return self.thread_.stuck
 
@@ -394,7 +394,7 @@ def finish_at_exit() -> None:
     from mpi4py import MPI
 
     if MPI.Is_initialized() and not MPI.Is_finalized():
-        reasons = "; ".join(str(g.thread_.stuck_ or f"{g!r} did not stop") for g in stuck)
+        reasons = "; ".join(str(g.thread_.timed_out_ or f"{g!r} did not stop") for g in stuck)
         sys.stderr.write(f"[pydist] rank {MPI.COMM_WORLD.Get_rank()}: aborting the MPI job at exit instead of "
                          f"finalizing, because a collective never finished: {reasons}\n")
         sys.stderr.flush()

@@ -15,20 +15,26 @@ An MPI call whose peer died never returns, and nothing can interrupt it: the
 MPI thread stays inside it. ``MPIWork.wait`` bounds itself by the group's
 timeout, but torch's DDP reducer (and any comm hook) waits on the work's
 *future*, which only the MPI thread would complete. So each ``CommThread``
-has a watchdog: when the oldest unfinished work is older than the group's
-timeout, it fails that work and every work queued behind it with
-``CollectiveTimeout`` (their futures raise), and the thread is marked stuck:
-later collectives on the group fail at once with the same error. A stuck
-thread is still inside MPI, so the process must not call ``MPI_Finalize`` at
-exit (it would crash under the collective); pydist aborts the job instead, see
-``stuck_groups`` in mpi4py_backend.py.
+has a watchdog that acts when the oldest unfinished work is older than the
+group's timeout. As NCCL's watchdog does by default, it reports the
+collective and aborts the job (``MPI_Abort``): torch's own DDP cannot take an
+error from a Python process group's future (torch 2.13 crashes in
+``parseCppCommHookResult`` when the future holds an exception), and a rank
+whose peer is gone cannot do much more than stop. With
+PYDIST_MPI_ABORT_ON_TIMEOUT=0 it fails that work and every work queued behind
+it with ``CollectiveTimeout`` instead (their futures raise: pydist's DDP and
+direct waits report it); the group is then unusable, later collectives on it
+fail at once, and if its thread is still inside MPI at exit, pydist aborts
+rather than finalizes (``finish_at_exit`` in mpi4py_backend.py).
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
+import os
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -36,7 +42,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommThread", "MPIWork", "CollectiveTimeout"]
+__all__ = ["CommThread", "MPIWork", "CollectiveTimeout", "ABORT_ON_TIMEOUT_ENV"]
+
+ABORT_ON_TIMEOUT_ENV = "PYDIST_MPI_ABORT_ON_TIMEOUT"  # "0": a timed-out collective raises instead of aborting
 
 
 class CollectiveTimeout(RuntimeError):
@@ -105,6 +113,16 @@ def timeout_message(description: str, limit: datetime.timedelta) -> str:
             "timeout); a peer rank may have died, hung, or called a different collective")
 
 
+def _abort_job(error: CollectiveTimeout) -> None:
+    """See [Note: the watchdog fails overdue works]."""
+    from mpi4py import MPI
+
+    sys.stderr.write(f"[pydist] rank {MPI.COMM_WORLD.Get_rank()}: {error}. Aborting the MPI job "
+                     f"({ABORT_ON_TIMEOUT_ENV}=0 raises CollectiveTimeout instead)\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
 class CommThread:
     """Runs ops on one communicator, one at a time, in the order enqueued.
     See [Note: one thread per group, in issue order] and
@@ -115,8 +133,9 @@ class CommThread:
     def __init__(self, name: str):
         self.queue_: queue.SimpleQueue = queue.SimpleQueue()  # (fn, work) pairs, or _STOP
         self.pending_: collections.deque[MPIWork] = collections.deque()  # enqueued, not finished; issue order
-        self.cond_ = threading.Condition()  # guards pending_ and stuck_; wakes the watchdog
-        self.stuck_: CollectiveTimeout | None = None  # set once a work timed out: the thread is inside MPI for good
+        self.cond_ = threading.Condition()  # guards pending_, running_, timed_out_; wakes the watchdog
+        self.running_: MPIWork | None = None  # the work inside MPI now
+        self.timed_out_: CollectiveTimeout | None = None  # set once, when a work times out: the group is unusable
         self.thread_ = threading.Thread(target=self._run, name=name, daemon=True)
         self.watchdog_ = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self.thread_.start()
@@ -126,9 +145,9 @@ class CommThread:
         if not self.thread_.is_alive():
             raise RuntimeError(f"mpi4py backend: {work.description} was issued after its group was shut down")
         with self.cond_:
-            if self.stuck_ is not None:
+            if self.timed_out_ is not None:
                 raise CollectiveTimeout(f"mpi4py backend: {work.description} cannot run: an earlier collective "
-                                        f"of this group timed out ({self.stuck_})")
+                                        f"of this group timed out ({self.timed_out_})")
             self.pending_.append(work)
             self.cond_.notify()
         self.queue_.put((fn, work))
@@ -142,6 +161,8 @@ class CommThread:
                     self.cond_.notify()  # let the watchdog see the end
                 return
             fn, work = item
+            with self.cond_:
+                self.running_ = work
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
@@ -149,6 +170,7 @@ class CommThread:
             else:
                 work.finish(None)
             with self.cond_:
+                self.running_ = None
                 if self.pending_ and self.pending_[0] is work:
                     self.pending_.popleft()
 
@@ -164,24 +186,27 @@ class CommThread:
                 if left > 0:
                     self.cond_.wait(min(left, 1.0))
                     continue
-                self.stuck_ = CollectiveTimeout(timeout_message(oldest.description, oldest.timeout_))
+                self.timed_out_ = CollectiveTimeout(timeout_message(oldest.description, oldest.timeout_))
+                if os.environ.get(ABORT_ON_TIMEOUT_ENV, "1").strip() != "0":
+                    _abort_job(self.timed_out_)
                 for work in self.pending_:
-                    work.finish(self.stuck_ if work is oldest else CollectiveTimeout(
+                    work.finish(self.timed_out_ if work is oldest else CollectiveTimeout(
                         f"mpi4py backend: {work.description} was queued behind a collective that timed out "
-                        f"({self.stuck_})"))
+                        f"({self.timed_out_})"))
                 self.pending_.clear()
                 return
 
     @property
     def stuck(self) -> bool:
-        """True once a collective timed out: the MPI thread may still be inside MPI."""
-        return self.stuck_ is not None
+        """A collective timed out and the MPI thread is still inside it."""
+        with self.cond_:
+            return self.timed_out_ is not None and self.running_ is not None and self.thread_.is_alive()
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Let queued ops finish, then end the thread. False if it is stuck
         (in a collective whose peers never came)."""
-        if self.stuck:
-            return not self.thread_.is_alive()
+        if self.stuck:  # it would wait for the collective that timed out
+            return False
         if self.thread_.is_alive():
             self.queue_.put(self._STOP)
             self.thread_.join(timeout_s)

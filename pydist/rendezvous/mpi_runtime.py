@@ -14,7 +14,6 @@ Three things happen before or right after MPI starts, in this order:
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import sys
 from typing import Mapping
@@ -83,12 +82,14 @@ def _choose_libmpi(where: str) -> None:
 
 
 def _require_mpi4py(where: str) -> None:
-    if importlib.util.find_spec("mpi4py") is None:
+    try:
+        import mpi4py  # noqa: F401 - the package only; MPI starts when mpi4py.MPI is imported
+    except ImportError as exc:
         raise MPINotAvailable(
             f"{where}: this process was started by an MPI launcher, and joining the job needs mpi4py, which is not "
             "installed. Install it with `pip install 'pydist[mpi]'` (mpi4py and the pip MPICH), or "
             "`pip install mpi4py` built against your cluster's MPI; or launch with torchrun instead"
-        )
+        ) from exc
 
 
 # [Note: an uncaught exception aborts the job]

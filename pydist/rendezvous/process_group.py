@@ -287,7 +287,9 @@ def open_store(info: LaunchInfo, timeout: datetime.timedelta, backend: str | Non
     where = f"init_process_group under {info.launcher}"
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if info.rank == 0 and not agent_hosts_it:
-        store = _host_store(info.master_addr, info.master_port, info.world_size, timeout, where)
+        # An MPI launcher's ranks all on this host: see [Note: where the store listens].
+        bind = "127.0.0.1" if info.uses_mpi and info.master_addr == "127.0.0.1" else None
+        store = _host_store(info.master_addr, info.master_port, info.world_size, timeout, where, bind=bind)
     else:
         store = _join_store(info.master_addr, info.master_port, info.world_size, info.rank, timeout, where)
     return _MPIStore(store, info.rank, info.world_size, info.local_world_size, info.master_addr, info.master_port)
