@@ -179,3 +179,53 @@ def test_open_mpi_mpirun_with_pip_mpi4py(backend):
     env = {k: v for k, v in os.environ.items() if k != "MPI4PY_LIBMPI"}
     got = report_env(launcher, backend, **{k: v for k, v in env.items() if k.startswith("PYDIST")})
     check_report(got, "gloo" if backend == "gloo" else "mpi4py", "openmpi")
+
+
+# -- issue 18 item 3: torchrun scripts under mpiexec, unchanged ------------------
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(400)
+def test_pydist_run_gives_torchruns_results_bitwise(tmp_path):
+    """`mpiexec -n 2 python -m pydist.run script.py OUT` on a script that reads
+    RANK/LOCAL_RANK before init and uses torch's env:// rendezvous: the same
+    variables, losses and parameters, bit for bit, as under torchrun."""
+    script = os.path.join("tests", "mpi_scripts", "torchrun_style.py")
+    (tmp_path / "mpi").mkdir()
+    (tmp_path / "torchrun").mkdir()
+    done = mpiexec(["-m", "pydist.run", script, str(tmp_path / "mpi")], timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", script, str(tmp_path / "torchrun")],
+                          env=dict(env, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=150, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    import torch
+
+    for rank in range(2):
+        ours, theirs = (torch.load(tmp_path / d / f"rank{rank}.pt") for d in ("mpi", "torchrun"))
+        assert ours["env"] == theirs["env"] == (rank, rank, 2, 2)
+        assert ours["argv"] == [str(tmp_path / "mpi")]  # sys.argv as `python script.py OUT` sets it
+        assert torch.equal(ours["losses"], theirs["losses"])
+        for a, b in zip(ours["params"], theirs["params"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(300)
+def test_pydist_run_then_pydist_init():
+    """pydist.init_process_group inside a script run by pydist.run joins the
+    store pydist.run hosts (as under torchrun's agent) and agrees with it."""
+    done = mpiexec(["-m", "pydist.run", os.path.join("tests", "mpi_scripts", "report_env.py"), "gloo"], timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["launcher"] for r in got["reports"]] == ["torchrun", "torchrun"]  # the variables pydist.run set
+    for r in got["reports"]:
+        r["launcher"] = "mpich"
+    check_report(got, "gloo", "mpich")
