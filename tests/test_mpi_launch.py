@@ -128,7 +128,9 @@ def test_uncaught_exception_abort_can_be_turned_off():
 
 
 def report_env(launcher, backend, **env):
-    done = subprocess.run([*launcher, sys.executable, os.path.join("tests", "mpi_scripts", "report_env.py"), backend],
+    extra = env.pop("ARGS", "").split()
+    done = subprocess.run([*launcher, sys.executable, os.path.join("tests", "mpi_scripts", "report_env.py"), backend,
+                           *extra],
                           env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **env), capture_output=True,
                           text=True, timeout=150, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -149,7 +151,9 @@ def check_report(got, backend, launcher):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_store_listens_on_loopback_and_torchrun_variables_are_set(backend):
-    got = report_env([MPIEXEC, "-n", "2"], backend)
+    """Joined twice (destroy in between): the second join reads MPI again, not
+    the variables the first one exported, and updates them."""
+    got = report_env([MPIEXEC, "-n", "2"], backend, ARGS="again")
     check_report(got, "gloo" if backend == "gloo" else "mpi4py", "mpich")
 
 

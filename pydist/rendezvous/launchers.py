@@ -37,6 +37,10 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 __all__ = ["LaunchInfo", "LauncherNotFound", "LauncherConflict", "detect", "first_slurm_host", "LAUNCHERS"]
 
 DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT, used where a launcher names none
+# Set by init_process_group to the launcher family it derived the torchrun
+# variables from: while that family is present, those variables are pydist's
+# own output, not a torchrun launch (see process_group.py).
+EXPORTED_FROM_ENV = "PYDIST_TORCHRUN_ENV_FROM"
 
 
 class LauncherNotFound(RuntimeError):
@@ -249,6 +253,10 @@ def detect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = No
             continue
         if info is not None:
             found.append(info)
+    # See [Note: the torchrun variables after init] in process_group.py
+    derived_from = env.get(EXPORTED_FROM_ENV)
+    if found and found[0].launcher == "torchrun" and any(i.launcher == derived_from for i in found[1:]):
+        found = found[1:]
     if incomplete is not None:
         if found:
             stale = [n for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if n in env]

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .launchers import LaunchInfo, LauncherConflict, detect
+from .launchers import EXPORTED_FROM_ENV, LaunchInfo, LauncherConflict, detect
 from .mpi_runtime import load_mpi
 
 __all__ = ["init_process_group", "InitResult", "RendezvousTimeout", "RendezvousError", "PortInUse", "resolve_backend",
@@ -372,7 +372,7 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
                         local_size if local_size is not None else 1)
     export_torchrun_env({"RANK": result.rank, "LOCAL_RANK": result.local_rank, "WORLD_SIZE": result.world_size,
                          "LOCAL_WORLD_SIZE": local_size, "MASTER_ADDR": addr, "MASTER_PORT": port},
-                        f"init_process_group under {result.launcher}")
+                        f"init_process_group under {result.launcher}", result.launcher)
     return result
 
 
@@ -382,22 +382,29 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
 # the rendezvous pydist sets them to what it found, whatever the launcher
 # (child processes inherit them). A variable already set to another value is
 # never overwritten: that is a stale or wrong variable, and the error names
-# both values. Unknown values (MASTER_* under torch's own MPI backend) are
-# left alone.
+# both values -- unless pydist set it itself, earlier in this process (a group
+# destroyed and created again gets a new MASTER_PORT under MPI). Unknown values
+# (MASTER_* under torch's own MPI backend) are left alone. The launcher they
+# came from is recorded in PYDIST_TORCHRUN_ENV_FROM, so ``detect()`` keeps
+# reading the real launcher rather than taking them for a torchrun launch.
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_exported: dict[str, str] = {}  # what this process last set, by export_torchrun_env
 
 
-def export_torchrun_env(values: dict, where: str) -> None:
+def export_torchrun_env(values: dict, where: str, launcher: str | None = None) -> None:
     """Set the torchrun variables; see [Note: the torchrun variables after init]."""
     values = {k: str(v) for k, v in values.items() if v is not None}
-    conflicts = [f"{k}={os.environ[k]!r} is set but pydist found {k}={v!r}"
-                 for k, v in values.items() if k in os.environ and os.environ[k] != v]
+    conflicts = [f"{k}={os.environ[k]!r} is set but pydist found {k}={v!r}" for k, v in values.items()
+                 if k in os.environ and os.environ[k] != v and _exported.get(k) != os.environ[k]]
     if conflicts:
         raise LauncherConflict(
             f"{where}: {'; '.join(conflicts)}. pydist does not overwrite a variable that contradicts the launcher: "
             "unset it (it is probably left over from another launch)"
         )
     os.environ.update(values)
+    _exported.update(values)
+    if launcher not in (None, "torchrun", "init_method"):
+        os.environ[EXPORTED_FROM_ENV] = launcher
 
 
 def _count_local_ranks(store, world_size: int) -> int:

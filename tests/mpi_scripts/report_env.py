@@ -1,5 +1,5 @@
 """Run by tests/test_mpi_launch.py under mpiexec -n 2: join with pydist on
-the backend given, then print (rank 0) the torchrun variables each rank sees
+the backend given (``again``: destroy the group and join a second time), then print (rank 0) the torchrun variables each rank sees
 and the address the rendezvous store listens on (issue 17 item 16, issue 18
 item 3)."""
 
@@ -28,6 +28,11 @@ def listening_addresses(port: int) -> list[str]:
 
 
 result = pydist.init_process_group(backend=sys.argv[1], timeout=60)
+if "again" in sys.argv[2:]:  # destroy and join again: the variables pydist set are its own to update
+    first_port = os.environ["MASTER_PORT"]
+    dist.destroy_process_group()
+    result = pydist.init_process_group(backend=sys.argv[1], timeout=60)
+    assert result.launcher != "torchrun", result
 env = {k: os.environ.get(k) for k in pydist.rendezvous.TORCHRUN_VARIABLES}
 report = dict(result._asdict(), env=env)
 if result.rank == 0:
