@@ -199,7 +199,8 @@ def free_port():
 def test_pydist_run_gives_torchruns_results_bitwise(tmp_path):
     """`mpiexec -n 2 python -m pydist.run script.py OUT` on a script that reads
     RANK/LOCAL_RANK before init and uses torch's env:// rendezvous: the same
-    variables, losses and parameters, bit for bit, as under torchrun."""
+    variables, losses and parameters, bit for bit, as under torchrun; and the
+    same under srun's environment (port from the job id, MPI not loaded)."""
     script = os.path.join("tests", "mpi_scripts", "torchrun_style.py")
     (tmp_path / "mpi").mkdir()
     (tmp_path / "torchrun").mkdir()
@@ -211,10 +212,22 @@ def test_pydist_run_gives_torchruns_results_bitwise(tmp_path):
                           env=dict(env, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=150, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
+    # srun's environment, as srun sets it for 2 tasks on one node (no Slurm here): no MPI involved
+    (tmp_path / "slurm").mkdir()
+    slurm = dict(env, PYTHONPATH=REPO, OMP_NUM_THREADS="1", SLURM_NTASKS="2", SLURM_JOB_NODELIST="127.0.0.1",
+                 SLURM_JOB_ID=str(free_port()), SLURM_TASKS_PER_NODE="2", SLURM_NODEID="0")
+    procs = [subprocess.Popen([sys.executable, "-m", "pydist.run", script, str(tmp_path / "slurm")],
+                              env=dict(slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    for p in procs:
+        out = p.communicate(timeout=150)[0]
+        assert p.returncode == 0, out
     import torch
 
     for rank in range(2):
+        slurm_run = torch.load(tmp_path / "slurm" / f"rank{rank}.pt")
         ours, theirs = (torch.load(tmp_path / d / f"rank{rank}.pt") for d in ("mpi", "torchrun"))
+        assert slurm_run["env"] == theirs["env"] and torch.equal(slurm_run["losses"], theirs["losses"])
         assert ours["env"] == theirs["env"] == (rank, rank, 2, 2)
         assert ours["argv"] == [str(tmp_path / "mpi")]  # sys.argv as `python script.py OUT` sets it
         assert torch.equal(ours["losses"], theirs["losses"])

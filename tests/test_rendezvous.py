@@ -26,7 +26,7 @@ ALL_VARS = [
     "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
     "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID", "SM_HOSTS", "SM_CURRENT_HOST", "SM_NUM_GPUS",
     "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid", "MPI_LOCALNRANKS",
-    "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "TORCHELASTIC_RESTART_COUNT", "PYDIST_TORCHRUN_ENV_FROM",
 ]
 
 
@@ -80,6 +80,16 @@ def test_openmpi_across_hosts_needs_mpi_for_the_address(launcher_env):
     assert detect(argv=[]).master_addr is None
     launcher_env(MASTER_ADDR="n1")
     assert (detect(argv=[]).master_addr, detect(argv=[]).master_port) == ("n1", 20007)
+
+
+def test_variables_pydist_exported_do_not_hide_the_launcher(launcher_env):
+    """After init under mpiexec pydist sets RANK, MASTER_ADDR, ... and records
+    where they came from; detect() still reports the MPI launcher."""
+    launcher_env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=1234, PMI_RANK=1, PMI_SIZE=2,
+                 PYDIST_TORCHRUN_ENV_FROM="mpich")
+    assert detect(argv=[]).launcher == "mpich"
+    launcher_env(PYDIST_TORCHRUN_ENV_FROM="slurm")  # recorded for another launcher: the variables are read
+    assert detect(argv=[]).launcher == "torchrun"
 
 
 def test_stale_torchrun_variables_under_mpiexec_are_named(launcher_env):
