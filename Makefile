@@ -1,10 +1,11 @@
 # The two commands of the README: `make demo` and `make test`. Both install
 # what they need first (torch pinned when none is present, the dev tools,
-# then pydist itself, built in place), so they work on a fresh machine.
+# then pydist itself, built in place against that torch: see the README's
+# Install section and pyproject.toml), so they work on a fresh machine.
 PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 STAMP := build/.pydist-installed
-SOURCES := $(shell find csrc pydist -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py requirements-dev.txt
+SOURCES := $(shell find csrc pydist -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt
 
 .PHONY: install test test-spawn test-mpi demo bench clean
 

@@ -1,4 +1,4 @@
-"""Build pydist and its compiled extension, pydist._C.
+"""Build pydist's compiled extension, pydist._C (metadata: pyproject.toml).
 
     pip install --no-build-isolation -e .
 
@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -130,13 +130,9 @@ def extension():
     return cpp_extension.CppExtension(sources=srcs, extra_compile_args={"cxx": cxx_flags}, **kwargs)
 
 
+# Name, version, packages and dependencies live in pyproject.toml; setup.py
+# adds only what must be computed: the extension, against the installed torch.
 setup(
-    name="pydist",
-    version="0.1.0",
-    description="A readable data-parallel training runtime for PyTorch",
-    packages=find_packages(include=["pydist", "pydist.*"]),
-    python_requires=">=3.10",
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-    zip_safe=False,
 )

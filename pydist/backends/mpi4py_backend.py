@@ -18,11 +18,14 @@ it), and MPI was initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import itertools
 import os
+import sys
 import threading
+import types
 import weakref
 
 import torch
@@ -32,7 +35,8 @@ from .mpi_buffers import Message, mpi_op
 from .mpi_shm_allreduce import ShmAllreduce, spans_one_node
 from .mpi_work import CommThread, MPIWork
 
-__all__ = ["MPI4PyProcessGroup", "register", "shutdown_all", "BACKEND_NAME", "ALLREDUCE_CHUNK_BYTES"]
+__all__ = ["MPI4PyProcessGroup", "register", "shutdown_all", "finish_at_exit", "BACKEND_NAME",
+           "ALLREDUCE_CHUNK_BYTES"]
 
 BACKEND_NAME = "mpi4py"
 
@@ -99,6 +103,30 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"MPI4PyProcessGroup(rank={self.rank_}, size={self.size_})"
+
+    # [Note: the group is its own backend]
+    # With the extended API torch uses the object the creator returns as the
+    # group itself and registers no per-device Backend, so torch's
+    # ``group._get_backend(device)`` raises. Code that reads a group's settings
+    # through it (``group._get_backend(cpu).options._timeout``, as pydist's
+    # shm transport does) gets this group and its timeout instead.
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device=None) -> "MPI4PyProcessGroup":
+        return self
+
+    @property
+    def options(self) -> types.SimpleNamespace:
+        """The group's settings, named as torch's ``Backend.Options`` names them."""
+        return types.SimpleNamespace(_timeout=self.timeout_, backend=BACKEND_NAME)
+
+    @property
+    def stuck(self) -> bool:
+        """A collective of this group timed out and its MPI thread is still
+        inside MPI. See [Note: the watchdog fails overdue works] in mpi_work.py."""
+        return self.thread_.stuck
 
     def _where(self, op: str, tensor: torch.Tensor | None = None) -> str:
         what = f" of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} on {tensor.device}" if tensor is not None else ""
@@ -298,10 +326,11 @@ def _create(opts, backend_options=None) -> MPI4PyProcessGroup:
     """Creator torch calls (extended API) for every group using this backend,
     only on the group's members: the default group dups MPI_COMM_WORLD,
     subgroups build a communicator of their global ranks."""
-    from mpi4py import MPI
+    from pydist.rendezvous.mpi_runtime import load_mpi
 
-    world = MPI.COMM_WORLD
     where = f"mpi4py backend, group {opts.group_id!r}"
+    MPI = load_mpi(where)
+    world = MPI.COMM_WORLD
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError(
             f"{where}: MPI was initialized without MPI_THREAD_MULTIPLE; do not lower mpi4py.rc.thread_level "
@@ -330,11 +359,43 @@ def register() -> str:
     with _lock:
         if BACKEND_NAME not in dist.Backend.backend_list:
             dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+            atexit.register(finish_at_exit)  # See [Note: abort, not finalize, after a timeout]
     return BACKEND_NAME
 
 
-def shutdown_all() -> None:
+def shutdown_all() -> list[MPI4PyProcessGroup]:
     """Stop every live group's MPI thread; called at exit, see
-    [Note: exit cleanly under mpiexec] in pydist/rendezvous/process_group.py."""
+    [Note: exit cleanly under mpiexec] in pydist/rendezvous/process_group.py.
+    Returns the groups that could not stop (a collective timed out)."""
+    stuck = []
     for group in sorted(_live_groups, key=lambda g: g.seq_):  # one order on every rank: Win.Free is collective
+        if group.stuck:  # its communicator is in use by a call that never returns: leave it
+            stuck.append(group)
+            continue
         group.shutdown()
+        if group.thread_.thread_.is_alive():
+            stuck.append(group)
+    return stuck
+
+
+# [Note: abort, not finalize, after a timeout]
+# mpi4py calls MPI_Finalize when the interpreter ends. If a group's MPI thread
+# is still inside a collective whose peer died (a timeout), MPI_Finalize tears
+# down the transport under it and the process crashes (seen: a segfault in
+# ucp_worker_destroy), and mpiexec reports the crash instead of the timeout.
+# At exit, once every group that can stop has stopped, a stuck group makes
+# this rank call MPI_Abort, which ends the job with the timeout's message.
+def finish_at_exit() -> None:
+    """Stop every group; abort the MPI job if one is stuck. Registered at exit
+    by ``register`` (and called by pydist's own exit handler)."""
+    stuck = shutdown_all()
+    if not stuck:
+        return
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        reasons = "; ".join(str(g.thread_.timed_out_ or f"{g!r} did not stop") for g in stuck)
+        sys.stderr.write(f"[pydist] rank {MPI.COMM_WORLD.Get_rank()}: aborting the MPI job at exit instead of "
+                         f"finalizing, because a collective never finished: {reasons}\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

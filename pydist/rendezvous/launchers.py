@@ -37,6 +37,10 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 __all__ = ["LaunchInfo", "LauncherNotFound", "LauncherConflict", "detect", "first_slurm_host", "LAUNCHERS"]
 
 DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT, used where a launcher names none
+# Set by init_process_group to the launcher family it derived the torchrun
+# variables from: while that family is present, those variables are pydist's
+# own output, not a torchrun launch (see process_group.py).
+EXPORTED_FROM_ENV = "PYDIST_TORCHRUN_ENV_FROM"
 
 
 class LauncherNotFound(RuntimeError):
@@ -58,6 +62,7 @@ class LaunchInfo(NamedTuple):
     master_port: int | None
     uses_mpi: bool  # True: rendezvous over mpi4py (rank 0 picks the port)
     variables: tuple[str, ...]  # the environment variables it was read from
+    local_world_size: int | None = None  # ranks on this host, where the launcher says
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -111,18 +116,33 @@ def _torchrun(env, argv):
             f"RANK and WORLD_SIZE are set (torchrun-style launch) but {' and '.join(missing)} "
             "is not: set it, or launch with torchrun, which sets all four"
         )
+    local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else None
     return LaunchInfo("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), local, addr, port, False,
-                      ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+                      ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"), local_size)
 
 
-def _mpi(name, rank_var, size_var, local_var):
+def _job_port(job_id: int) -> int:
+    """[Note: Slurm port] one port per job, so two jobs sharing a node do not collide."""
+    return 20000 + job_id % 20000
+
+
+def _mpi(name, rank_var, size_var, local_var, local_size_var=None, job_var=None):
     def read(env, argv):
         if rank_var not in env:
             return None
         size = _int(env, size_var) if size_var and size_var in env else None
         local = _int(env, local_var) if local_var and local_var in env else 0
+        local_size = _int(env, local_size_var) if local_size_var and local_size_var in env else None
         used = tuple(v for v in (rank_var, size_var, local_var) if v)
-        return LaunchInfo(name, _int(env, rank_var), size, local, None, None, True, used)
+        # [Note: rendezvous without MPI] a launcher that gives a job id and the first
+        # host (every rank local, or MASTER_ADDR) lets backends other than MPI agree on
+        # the store without loading MPI at all; see open_store in process_group.py.
+        addr = port = None
+        if job_var and job_var in env and size is not None:
+            addr = env.get("MASTER_ADDR") or ("127.0.0.1" if local_size == size else None)
+            if addr is not None:
+                port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else _job_port(_int(env, job_var))
+        return LaunchInfo(name, _int(env, rank_var), size, local, addr, port, True, used, local_size)
 
     return read
 
@@ -146,12 +166,29 @@ def _slurm(env, argv):
     if not nodelist:
         raise LauncherNotFound("SLURM_PROCID is set but SLURM_JOB_NODELIST is not: cannot find the first host")
     addr = env.get("MASTER_ADDR") or first_slurm_host(nodelist)
-    # [Note: Slurm port] one port per job, so two jobs sharing a node do not collide.
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else (
-        20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else DEFAULT_PORT)
+        _job_port(_int(env, "SLURM_JOB_ID")) if "SLURM_JOB_ID" in env else DEFAULT_PORT)
     local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
     return LaunchInfo("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local, addr, port, False,
-                      ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST"))
+                      ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST"), _slurm_local_size(env))
+
+
+def slurm_tasks_per_node(spec: str) -> list[int]:
+    """Expand Slurm's ``SLURM_TASKS_PER_NODE``: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise LauncherConflict(f"SLURM_TASKS_PER_NODE={spec!r} is not a Slurm task count list")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _slurm_local_size(env) -> int | None:
+    if "SLURM_TASKS_PER_NODE" not in env or "SLURM_NODEID" not in env:
+        return None
+    counts, node = slurm_tasks_per_node(env["SLURM_TASKS_PER_NODE"]), _int(env, "SLURM_NODEID")
+    return counts[node] if node < len(counts) else None
 
 
 def _sagemaker(env, argv):
@@ -168,15 +205,16 @@ def _sagemaker(env, argv):
         raise LauncherConflict(f"SM_CURRENT_HOST={current!r} is not in SM_HOSTS={hosts}")
     addr, port = _master(env)
     return LaunchInfo("sagemaker", hosts.index(current), len(hosts), 0, addr or hosts[0], port or DEFAULT_PORT,
-                      False, ("SM_HOSTS", "SM_CURRENT_HOST", "SM_NUM_GPUS"))
+                      False, ("SM_HOSTS", "SM_CURRENT_HOST", "SM_NUM_GPUS"), 1)
 
 
 # name -> reader, in the order of [Note: which launcher wins].
 LAUNCHERS: dict[str, Callable[[Mapping[str, str], Sequence[str]], LaunchInfo | None]] = {
     "torchrun": _torchrun,
-    "openmpi": _mpi("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "openmpi": _mpi("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid"),
     "pmix": _mpi("pmix", "PMIX_RANK", None, None),
-    "mpich": _mpi("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    "mpich": _mpi("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     "slurm": _slurm,
     "sagemaker": _sagemaker,
 }
@@ -204,7 +242,31 @@ def detect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = No
     """
     env = os.environ if env is None else env
     argv = sys.argv[1:] if argv is None else argv
-    found = [info for info in (read(env, argv) for read in LAUNCHERS.values()) if info is not None]
+    found, incomplete = [], None
+    for read in LAUNCHERS.values():
+        try:
+            info = read(env, argv)
+        except LauncherNotFound as exc:  # RANK and WORLD_SIZE without MASTER_*: stale, if another family is whole
+            if read is not _torchrun:
+                raise
+            incomplete = exc
+            continue
+        if info is not None:
+            found.append(info)
+    # See [Note: the torchrun variables after init] in process_group.py
+    derived_from = env.get(EXPORTED_FROM_ENV)
+    if found and found[0].launcher == "torchrun" and any(i.launcher == derived_from for i in found[1:]):
+        found = found[1:]
+    if incomplete is not None:
+        if found:
+            stale = [n for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if n in env]
+            raise LauncherConflict(
+                f"{found[0].launcher} started this process ({', '.join(f'{v}={env[v]}' for v in found[0].variables if v in env)}) "
+                f"but {', '.join(f'{v}={env[v]}' for v in stale)} are also set, as torchrun sets them, without "
+                f"MASTER_ADDR/MASTER_PORT: they are probably left over from another launch; unset "
+                f"{' and '.join(stale)}"
+            ) from incomplete
+        raise incomplete
     if not found:
         if required:
             raise LauncherNotFound(f"no launcher environment found; looked for {_looked_for()}")
@@ -227,6 +289,13 @@ def detect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = No
         sizes = [i.world_size for i in others if i.world_size is not None]
         if sizes:
             primary = primary._replace(world_size=sizes[0])
+    local_size = primary.local_world_size
+    if local_size is not None and not (primary.local_rank < local_size and
+                                       (primary.world_size is None or local_size <= primary.world_size)):
+        raise LauncherConflict(
+            f"{primary.launcher}: local rank {primary.local_rank} and local world size {local_size} do not fit a "
+            f"world of {primary.world_size} (variables {', '.join(primary.variables)}, and the local world size's)"
+        )
     if primary.world_size is not None and primary.rank >= primary.world_size:
         raise LauncherConflict(
             f"{primary.launcher}: rank {primary.rank} is not below the world size {primary.world_size} "

@@ -6,6 +6,7 @@ in closed form, not by another backend.
 """
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -148,21 +149,44 @@ def test_bad_input_names_op_and_rank(world):
         dist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.AVG)
 
 
-def test_timeout_names_the_collective(world, timeout_s):
+def test_timeout_names_the_collective(world, timeout_s, monkeypatch):
     """Rank 0 waits on an all-reduce rank 1 joins only after rank 0's 1 s
-    timeout: rank 0 gets CollectiveTimeout, then the late peer completes it."""
+    timeout. With PYDIST_MPI_ABORT_ON_TIMEOUT=0 (the default aborts the job,
+    see [Note: the watchdog fails overdue works]) rank 0's wait and future
+    raise CollectiveTimeout; the late peer then completes the call inside MPI,
+    and the group refuses further collectives."""
+    monkeypatch.setenv("PYDIST_MPI_ABORT_ON_TIMEOUT", "0")
     group = dist.new_group(backend="mpi4py", timeout=datetime.timedelta(seconds=1))
     t = torch.ones(4)
     if world.rank == 0:
         work = dist.all_reduce(t, group=group, async_op=True)
         with pytest.raises(CollectiveTimeout, match="allreduce of 4 float32 on cpu on rank 0 of"):
             work.wait()
+        with pytest.raises(CollectiveTimeout, match="did not finish within 1 s"):
+            work.get_future().wait()
         dist.broadcast(torch.zeros(1), src=0)  # tell the others to join now (world group)
-        work.wait(datetime.timedelta(seconds=timeout_s))
+        deadline = time.monotonic() + timeout_s
+        while group.stuck and time.monotonic() < deadline:  # the late peer lets the MPI thread out
+            time.sleep(0.05)
+        assert not group.stuck
+        with pytest.raises(CollectiveTimeout, match="an earlier collective of this group timed out"):
+            dist.all_reduce(torch.ones(1), group=group)
     else:
         dist.broadcast(torch.zeros(1), src=0)
         dist.all_reduce(t, group=group)
-    exact(t, torch.full((4,), float(world.world_size)))
+        exact(t, torch.full((4,), float(world.world_size)))
+    dist.barrier()
+
+
+def test_group_timeout_is_visible_to_the_shm_transport(world, timeout_s):
+    """Issue 17 item 7: the shm transport reads the group's timeout through
+    ``group._get_backend(cpu).options._timeout``; on the mpi4py group that used
+    to raise and fall back to 30 minutes."""
+    from pydist.ddp.shm_transport import _timeout
+
+    assert _timeout(dist.group.WORLD) == datetime.timedelta(seconds=timeout_s)
+    group = dist.new_group(backend="mpi4py", timeout=datetime.timedelta(seconds=7))
+    assert _timeout(group) == datetime.timedelta(seconds=7)
 
 
 @pytest.mark.cuda

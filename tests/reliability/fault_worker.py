@@ -1,0 +1,65 @@
+"""One rank of a fault-matrix job (see fault_matrix.py); not a test module.
+
+    python fault_worker.py SCENARIO WRAPPER TIMEOUT_S
+
+Every rank joins with ``pydist.init_process_group(backend="gloo")``, wraps a
+small MLP in WRAPPER and trains; at step FAULT_STEP rank FAULT_RANK does
+SCENARIO. Lines on stdout, for the driver:
+  PID <rank> <pid>             at start (to find this job's /dev/shm segments)
+  FAULT <unix time>            on the faulting rank, just before the fault
+  SURVIVOR <rank> <message>    on a rank that saw an error, before re-raising
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import pydist
+
+FAULT_RANK, FAULT_STEP, STEPS = 1, 5, 40
+
+scenario, wrapper, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+result = pydist.init_process_group(backend="gloo", timeout=timeout_s)
+rank = result.rank
+print(f"PID {rank} {os.getpid()}", flush=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))  # 0.5M params
+if wrapper == "torch":
+    model = torch.nn.parallel.DistributedDataParallel(model)
+else:
+    model = pydist.DistributedDataParallel(model, shm_allreduce=(wrapper == "pydist-shm"))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def fault():
+    print(f"FAULT {time.time():.3f}", flush=True)
+    if scenario == "kill9":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif scenario == "exception":
+        raise RuntimeError(f"rank {rank} fails on purpose")
+    elif scenario == "straggler":
+        time.sleep(timeout_s * 10)
+    elif scenario == "early_exit":
+        sys.exit(0)
+
+
+try:
+    for step in range(STEPS):
+        if rank == FAULT_RANK and step == FAULT_STEP:
+            fault()
+        x = torch.randn(32, 256)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.02)
+except BaseException as exc:
+    if rank != FAULT_RANK and not isinstance(exc, SystemExit):
+        text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        print(f"SURVIVOR {rank} {text[:300]}", flush=True)
+    raise
+dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""Issue 18 item 7: pip installs pydist the standard way (pyproject.toml).
+
+Builds a copy of the sources into a fresh virtual environment that sees the
+machine's torch (``--system-site-packages``; nothing is downloaded for torch),
+first with no ``wheel`` package anywhere in reach, then again with ``wheel``
+installed in the environment (the setup in which pip 23 used to take the
+legacy ``setup.py develop`` path and fail). Two builds of the CPU extension:
+minutes, within CI's budget; the second reuses the first one's objects.
+The machine's own pydist install is never touched: pip installs into the venv.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None or not os.path.exists(os.path.join(REPO, ".git")),
+                                reason="needs the git checkout to copy the sources from")
+
+
+def run(cmd, **kwargs):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    env.update(PYDIST_CUDA="0", MAX_JOBS="2", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, **kwargs)
+    assert done.returncode == 0, f"{' '.join(map(str, cmd))}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+@pytest.mark.timeout(1800)
+def test_pip_install_in_a_fresh_venv_with_and_without_wheel(tmp_path):
+    src, venv = tmp_path / "src", tmp_path / "venv"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in files:
+        if name.endswith(".so") or not os.path.isfile(os.path.join(REPO, name)):
+            continue
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.join(REPO, name), src / name)
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+    python = str(venv / "bin" / "python")
+    check = ("import importlib.metadata as m, importlib.util, pydist, pydist._C, torch; "
+             "print(pydist.__file__); print(m.version('pydist')); print(sorted(m.metadata('pydist').get_all('Provides-Extra'))); "
+             "print(importlib.util.find_spec('wheel') is not None)")
+
+    def install(*args):
+        run([python, "-m", "pip", "install", "--no-build-isolation", *args], cwd=tmp_path, timeout=1200)
+        return run([python, "-c", check], cwd=tmp_path, timeout=120).split("\n")
+
+    if run([python, "-c", "import importlib.util; print(importlib.util.find_spec('wheel') is not None)"]).strip() \
+            == "False":
+        path, version, extras, has_wheel = install("-e", str(src))[:4]
+        assert path == str(src / "pydist" / "__init__.py")  # the editable install points at the copy
+        assert (version, extras, has_wheel) == ("0.1.0", "['dev', 'mpi']", "False")
+    run([python, "-m", "pip", "install", "wheel"], timeout=300)
+    path, version, extras, has_wheel = install("-e", str(src))[:4]
+    assert path == str(src / "pydist" / "__init__.py")
+    assert (version, extras, has_wheel) == ("0.1.0", "['dev', 'mpi']", "True")
