@@ -101,8 +101,9 @@ def check_fits(snapshot: dict, path: Path, job: dict, module: torch.nn.Module) -
     theirs = snapshot["JOB"]
     if theirs["model"] != job["model"]:
         raise SnapshotMismatch(
-            f"snapshot {path} was written for model {theirs['model']}, but this job trains model {job['model']} "
-            f"(mismatched: {_differences(theirs['model'], job['model'])}); pass the same --model/--width/--depth, "
+            f"snapshot {path} was written for model {_describe(theirs['model'])}, but this job trains model "
+            f"{_describe(job['model'])} (mismatched: {_differences(theirs['model'], job['model'])}); pass the same "
+            f"--model/--width/--depth, "
             f"or another --snapshot path to start afresh"
         )
     if theirs["world_size"] != job["world_size"]:
@@ -125,6 +126,10 @@ def check_fits(snapshot: dict, path: Path, job: dict, module: torch.nn.Module) -
         for key in ("seed", "batch_size", "samples", "amp")
         if theirs.get(key) != job.get(key)
     ]
+
+
+def _describe(config: dict) -> str:
+    return f"{config['name']} (" + ", ".join(f"{k} {v}" for k, v in config.items() if k != "name" and v) + ")"
 
 
 def _differences(a: dict, b: dict) -> str:

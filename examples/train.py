@@ -438,7 +438,8 @@ def compare_with_torch(args: argparse.Namespace, job: Job, dataset: TensorDatase
     say(job, f"max difference between replicas (rank 0 vs the others): pydist {spreads[0]:.3g}, "
              f"torch {spreads[1]:.3g}")
     if their_rate:
-        say(job, f"samples/s, pydist / torch: {our_rate / their_rate:.2f}")
+        say(job, f"samples/s, pydist / torch: {our_rate / their_rate:.2f} (one short run; "
+                 f"benchmarks/bench_ddp.py measures)")
 
 
 def main(argv=None) -> int:
