@@ -3,9 +3,12 @@
 with snapshots that resume bitwise, under any launcher.
 
     torchrun --standalone --nproc_per_node=2 examples/train.py --snapshot snap.pt
-    mpiexec -n 2 python examples/train.py --snapshot snap.pt       # MPICH, Intel MPI; Open MPI: mpirun -np 2
+    mpiexec -n 2 python examples/train.py --snapshot snap.pt       # MPICH; Open MPI: mpirun -np 2
     srun python examples/train.py --snapshot snap.pt               # Slurm, one task per rank
-    python -m torch.distributed.launch --nproc_per_node=2 examples/train.py   # legacy, passes --local-rank
+    python -m torch.distributed.launch --nproc_per_node=2 examples/train.py   # legacy: passes --local-rank
+
+torchrun sets OMP_NUM_THREADS=1 in its workers; under mpiexec or srun, set
+it yourself when ranks share a host's cores.
 
 Whatever started it, the job joins with ``pydist.init_process_group()`` and
 takes rank, world size and local rank from its result (only torchrun puts
@@ -201,7 +204,7 @@ def global_sum(values: list[float], job: Job) -> list[float]:
 
 
 def max_over_ranks(value: torch.Tensor, job: Job) -> float:
-    value = value.to(job.comm_device, torch.float64)
+    value = value.detach().to(job.comm_device, torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item()
 
