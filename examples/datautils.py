@@ -126,10 +126,12 @@ _ADVERBS = ["", " today", " again", " slowly", " at night"]
 
 
 def generate_corpus(characters: int, generator: torch.Generator) -> str:
+    def pick(words: list[str]) -> str:
+        return words[int(torch.randint(len(words), (1,), generator=generator))]
+
     parts: list[str] = []
     total = 0
     while total < characters:
-        pick = lambda words: words[int(torch.randint(len(words), (1,), generator=generator))]  # noqa: E731
         sentence = f"{pick(_SUBJECTS)} {pick(_VERBS)} {pick(_OBJECTS)}{pick(_ADVERBS)}. "
         parts.append(sentence)
         total += len(sentence)

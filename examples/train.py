@@ -226,7 +226,8 @@ def replica_spread(module: torch.nn.Module, job: Job) -> float:
 # the snapshot after epoch E (bytes written, before fsync and rename). It fires
 # only in a job's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0), so a
 # job restarted by torchrun runs through. Leave it unset.
-_FAULT = os.environ.get("TRAIN_FAULT", "").split(":") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else []
+_FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+_FAULT = os.environ.get("TRAIN_FAULT", "").split(":") if _FIRST_ATTEMPT else []
 
 
 def inject_fault(where: str, rank: int, count: int) -> None:
@@ -255,7 +256,8 @@ def progress_bar(loader: DataLoader, job: Job, description: str):
 
 class Trainer:
     """The tutorial's Trainer (``_run_batch``, ``_run_epoch``, snapshots with
-    ``MODEL_STATE`` and ``EPOCHS_RUN``), wrapping its model in pydist's DDP."""
+    ``MODEL_STATE`` and ``EPOCHS_RUN``), wrapping its model in pydist's DDP
+    (or torch's: ``ddp="torch"``)."""
 
     def __init__(self, model: torch.nn.Module, train_data: DataLoader, optimizer: torch.optim.Optimizer, job: Job,
                  job_record: dict, *, ddp: str = "pydist", amp: bool = False, snapshot_path: Path | None = None,

@@ -182,8 +182,9 @@ def test_snapshot_of_another_model_is_refused(reference):
     snapshot = load(reference[0])
     wider = ModelConfig("mlp", 64, 2)
     job = dict(snapshot["JOB"], model=wider.as_dict())
-    with pytest.raises(SnapshotMismatch, match=r"written for model mlp \(width 32, depth 2\), but this job "
-                                               r"trains model mlp \(width 64, depth 2\) \(mismatched: width 32 vs 64\)"):
+    expected = (r"written for model mlp \(width 32, depth 2\), but this job trains model mlp \(width 64, depth 2\) "
+                r"\(mismatched: width 32 vs 64\)")
+    with pytest.raises(SnapshotMismatch, match=expected):
         check_fits(snapshot, reference[0], job, build_model(wider))
     lm = ModelConfig("transformer", 32, 2, vocab=30)
     with pytest.raises(SnapshotMismatch, match=r"mismatched: name mlp vs transformer, vocab 0 vs 30"):
@@ -251,3 +252,15 @@ def test_fsdp_says_it_is_not_available_yet(capsys):
     assert exit_info.value.code == 2
     assert "--fsdp: pydist's sharded wrapper (pydist.fully_shard / pydist.FullyShardedDataParallel) is not " \
            "available yet" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_amp_on_cuda_uses_fp16_and_a_grad_scaler(tmp_path):
+    """On CUDA, --amp is fp16 autocast with a GradScaler, whose state the
+    snapshot keeps. (Skipped without a GPU.)"""
+    path = tmp_path / "snapshot.pt"
+    stdout = ok(torchrun(["--epochs", 3, "--snapshot", path, "--amp"], nproc=min(2, torch.cuda.device_count())))
+    losses = epoch_losses(stdout)
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    scaler = load(path)["SCALER_STATE"]
+    assert scaler is not None and scaler["scale"] > 0, scaler
