@@ -2,7 +2,7 @@
 
     results = run_ranks(train, world_size=2, args=(cfg,), backend="gloo")
 
-Used by the tests, the benchmarks and the demo. Each rank joins a process
+Used by the tests and the benchmarks. Each rank joins a process
 group through a file store in a fresh temporary folder (no port to collide
 on), runs ``fn(rank, world_size, *args)`` and sends back its return value.
 

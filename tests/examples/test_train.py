@@ -1,0 +1,266 @@
+"""examples/train.py as users run it: whole jobs under torchrun, mpiexec, the
+legacy launcher and a Slurm environment, checked from outside.
+
+Every job trains the same tiny MLP (2 ranks, 4 epochs of 8 steps) on the same
+seed, so each must end with parameters bitwise equal to one uninterrupted run
+(the ``reference`` fixture, which also trains the model again under torch's
+DDP and prints the difference): resumed after epoch 2, restarted by torchrun
+after a rank was killed mid-epoch, started by another launcher. Runs are
+shared across assertions where one run answers several questions. Every
+subprocess has a timeout, and every job a process-group timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from datautils import ModelConfig, build_model  # noqa: E402
+from snapshots import SnapshotMismatch, check_fits, load_bytes  # noqa: E402
+
+TINY = ["--samples", "256", "--batch-size", "16", "--width", "32", "--depth", "2", "--timeout", "60"]
+TINY_CONFIG = ModelConfig("mlp", 32, 2)
+STEPS_PER_EPOCH = 256 // 2 // 16
+JOB_TIMEOUT = 240  # seconds for one job; a few under load on 2 cores
+
+
+def run_job(launcher: list[str], args: list, timeout: float = JOB_TIMEOUT, **env) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "TRAIN_FAULT"}
+    environment.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **env)
+    command = [*launcher, str(EXAMPLES / "train.py"), *TINY, *map(str, args)]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def torchrun(args: list, nproc: int = 2, extra: tuple = (), **env) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra]
+    return run_job(launcher, args, **env)
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def ok(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, f"job failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_training(ours: dict, reference: dict) -> None:
+    """Bitwise equal parameters, optimizer state and RNG states, after the
+    same number of epochs and steps."""
+    assert (ours["EPOCHS_RUN"], ours["STEPS_RUN"]) == (reference["EPOCHS_RUN"], reference["STEPS_RUN"])
+    assert ours["MODEL_STATE"].keys() == reference["MODEL_STATE"].keys()
+    for name, tensor in reference["MODEL_STATE"].items():
+        assert torch.equal(ours["MODEL_STATE"][name], tensor), f"parameter {name} differs from the uninterrupted run"
+    for index, state in reference["OPTIMIZER_STATE"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(ours["OPTIMIZER_STATE"]["state"][index][key], value), f"optimizer {index}.{key}"
+    for rank, state in enumerate(reference["RNG_STATES"]):
+        assert torch.equal(ours["RNG_STATES"][rank]["torch"], state["torch"]), f"rank {rank}'s RNG state"
+
+
+def epoch_losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^epoch \d+/\d+ \| loss ([0-9.]+)", stdout, re.MULTILINE)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, str]:
+    """One uninterrupted run of 4 epochs, snapshot after each; then the same
+    training under torch's DDP (--compare-torch, as `make demo`)."""
+    path = tmp_path_factory.mktemp("reference") / "snapshot.pt"
+    stdout = ok(torchrun(["--epochs", 4, "--snapshot", path, "--compare-torch"]))
+    return path, stdout
+
+
+def test_uninterrupted_run_is_torch_ddp_bitwise(reference):
+    path, stdout = reference
+    steps = 4 * STEPS_PER_EPOCH
+    assert f"max |pydist - torch| over all parameters after {steps} steps, on any rank: 0\n" in stdout, stdout
+    assert "max difference between replicas (rank 0 vs the others): pydist 0, torch 0\n" in stdout, stdout
+    assert re.search(r"pydist DDP: 4 epochs on 2 ranks .* samples/s", stdout), stdout
+    assert "rank 0, last step, as pydist's C++ reducer recorded it" in stdout
+    assert re.search(rf"^iteration {steps - 1}: backward ended", stdout, re.MULTILINE), stdout
+    losses = epoch_losses(stdout)
+    assert len(losses) == 8 and losses[:4] == losses[4:], losses  # pydist's epochs, then torch's
+    assert load(path)["EPOCHS_RUN"] == 4
+
+
+def test_snapshot_loads_weights_only_into_the_bare_model(reference):
+    snapshot = load(reference[0])
+    assert {"MODEL_STATE", "EPOCHS_RUN", "STEPS_RUN", "OPTIMIZER_STATE", "SCALER_STATE", "RNG_STATES", "SAMPLER",
+            "JOB"} <= snapshot.keys()
+    model = build_model(TINY_CONFIG)
+    model.load_state_dict(snapshot["MODEL_STATE"])  # strict: the unwrapped keys, no "module." prefix
+    assert snapshot["SAMPLER"] == {"epoch": 4, "batches_done": 0, "seed": 0, "num_replicas": 2}
+    assert snapshot["JOB"]["world_size"] == 2 and snapshot["JOB"]["model"] == TINY_CONFIG.as_dict()
+    rng = snapshot["RNG_STATES"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"]), "each rank keeps its own RNG"
+
+
+class NotAWeight:
+    pass
+
+
+def test_snapshot_reader_refuses_pickled_objects(tmp_path):
+    """The job reads snapshots only through weights_only=True: an arbitrary
+    object in the file is refused, not executed."""
+    path = tmp_path / "evil.pt"
+    torch.save({"MODEL_STATE": {}, "EPOCHS_RUN": 1, "JOB": {}, "RNG_STATES": [], "payload": NotAWeight()}, path)
+    with pytest.raises(SnapshotMismatch, match=r"cannot be loaded with torch.load\(weights_only=True\)"):
+        load_bytes(path.read_bytes(), path, torch.device("cpu"))
+
+
+def test_resume_after_epoch_2_is_bitwise(reference, tmp_path):
+    path = tmp_path / "snapshot.pt"
+    ok(torchrun(["--epochs", 2, "--snapshot", path]))
+    assert load(path)["EPOCHS_RUN"] == 2
+    stdout = ok(torchrun(["--epochs", 4, "--snapshot", path]))
+    assert f"resuming from snapshot {path}: 2 epochs, {2 * STEPS_PER_EPOCH} steps run" in stdout, stdout
+    assert re.findall(r"^epoch (\d)/4 \|", stdout, re.MULTILINE) == ["3", "4"], stdout
+    assert_same_training(load(path), load(reference[0]))
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
+def test_torchrun_restarts_a_killed_rank_from_the_last_snapshot(reference, tmp_path):
+    """Rank 1 is SIGKILLed after step 20 (mid-epoch 3); torchrun restarts both
+    ranks, which resume from the snapshot of epoch 2 and end where the
+    uninterrupted run ends."""
+    path = tmp_path / "snapshot.pt"
+    kill_step = 2 * STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2
+    done = torchrun(["--epochs", 4, "--snapshot", path], extra=("--max-restarts=1",),
+                    TRAIN_FAULT=f"step:1:{kill_step}")
+    stdout = ok(done)
+    assert f"[rank 1] WARNING train: TRAIN_FAULT=step:1:{kill_step}: killing this process" in done.stderr
+    assert f"resuming from snapshot {path}: 2 epochs, {2 * STEPS_PER_EPOCH} steps run" in stdout, stdout
+    assert_same_training(load(path), load(reference[0]))
+
+
+def test_snapshot_killed_mid_write_leaves_the_previous_one(reference, tmp_path):
+    """Rank 0 is SIGKILLed while writing the snapshot of epoch 3, after the
+    bytes and before fsync and rename: the file still holds epoch 2, whole."""
+    path = tmp_path / "snapshot.pt"
+    done = torchrun(["--epochs", 4, "--snapshot", path], TRAIN_FAULT="save:0:3")
+    assert done.returncode != 0, done.stdout
+    assert "epoch 2 | snapshot saved" in done.stdout and "epoch 3 | snapshot saved" not in done.stdout, done.stdout
+    assert path.with_name(path.name + ".partial").exists()  # the write was under way
+    snapshot = load(path)
+    assert snapshot["EPOCHS_RUN"] == 2
+    check_fits(snapshot, path, snapshot["JOB"], build_model(TINY_CONFIG))
+    build_model(TINY_CONFIG).load_state_dict(snapshot["MODEL_STATE"])
+
+
+def test_snapshot_of_another_world_size_is_refused(reference):
+    path = reference[0]
+    before = path.read_bytes()
+    # One rank, started as torchrun would start it, without the agent.
+    done = run_job([sys.executable], ["--epochs", 5, "--snapshot", path], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    assert done.returncode != 0
+    assert "was written by a job of world size 2, but this job has world size 1" in done.stderr, done.stderr
+    assert path.read_bytes() == before
+
+
+def test_snapshot_of_another_model_is_refused(reference):
+    snapshot = load(reference[0])
+    wider = ModelConfig("mlp", 64, 2)
+    job = dict(snapshot["JOB"], model=wider.as_dict())
+    expected = (r"written for model mlp \(width 32, depth 2\), but this job trains model mlp \(width 64, depth 2\) "
+                r"\(mismatched: width 32 vs 64\)")
+    with pytest.raises(SnapshotMismatch, match=expected):
+        check_fits(snapshot, reference[0], job, build_model(wider))
+    lm = ModelConfig("transformer", 32, 2, vocab=30)
+    with pytest.raises(SnapshotMismatch, match=r"mismatched: name mlp vs transformer, vocab 0 vs 30"):
+        check_fits(snapshot, reference[0], dict(snapshot["JOB"], model=lm.as_dict()), build_model(lm))
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (pip install mpich)")
+def test_job_under_mpiexec_matches_torchrun(reference, tmp_path):
+    path = tmp_path / "snapshot.pt"
+    stdout = ok(run_job([shutil.which("mpiexec"), "-n", "2", sys.executable], ["--epochs", 4, "--snapshot", path]))
+    assert "launched by mpich" in stdout, stdout
+    assert_same_training(load(path), load(reference[0]))
+
+
+@pytest.mark.parametrize("launcher", ["legacy", "slurm"])
+def test_job_under_legacy_launcher_and_slurm_matches_torchrun(reference, tmp_path, launcher):
+    """`python -m torch.distributed.launch` passes --local-rank; Slurm's srun
+    is imitated by starting the ranks with the variables srun sets."""
+    path = tmp_path / "snapshot.pt"
+    args = ["--epochs", 4, "--snapshot", path]
+    if launcher == "legacy":
+        stdout = ok(run_job([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2"], args))
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAIN_FAULT")}
+        env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", SLURM_NTASKS="2", SLURM_NNODES="1",
+                   SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+        command = [sys.executable, str(EXAMPLES / "train.py"), *TINY, *map(str, args)]
+        ranks = [subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)), cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        try:
+            outputs = [rank.communicate(timeout=JOB_TIMEOUT) for rank in ranks]
+        finally:
+            for rank in ranks:
+                rank.kill()
+        for rank, (out, err) in zip(ranks, outputs):
+            assert rank.returncode == 0, f"{out}\n{err}"
+        stdout = outputs[0][0]
+        assert "launched by slurm" in stdout, stdout
+    assert_same_training(load(path), load(reference[0]))
+
+
+def test_amp_trains_in_bf16_and_its_loss_decreases(reference, tmp_path):
+    path = tmp_path / "snapshot.pt"
+    stdout = ok(torchrun(["--epochs", 4, "--snapshot", path, "--amp"]))
+    losses = epoch_losses(stdout)
+    assert len(losses) == 4 and all(a > b for a, b in zip(losses, losses[1:])), losses
+    ours, fp32 = load(path), load(reference[0])
+    assert ours["JOB"]["amp"] is True
+    weight = ours["MODEL_STATE"]["head.weight"]
+    assert weight.dtype == torch.float32  # autocast computes in bf16, the parameters stay fp32
+    assert not torch.equal(weight, fp32["MODEL_STATE"]["head.weight"]), "same bits as fp32: autocast did nothing"
+
+
+def test_transformer_lm_trains(tmp_path):
+    stdout = ok(torchrun(["--model", "transformer", "--epochs", 2, "--lr", "3e-3"]))
+    losses = epoch_losses(stdout)
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+
+
+def test_fsdp_says_it_is_not_available_yet(capsys):
+    import train
+
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--fsdp"])
+    assert exit_info.value.code == 2
+    assert "--fsdp: pydist's sharded wrapper (pydist.fully_shard / pydist.FullyShardedDataParallel) is not " \
+           "available yet" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_amp_on_cuda_uses_fp16_and_a_grad_scaler(tmp_path):
+    """On CUDA, --amp is fp16 autocast with a GradScaler, whose state the
+    snapshot keeps. (Skipped without a GPU.)"""
+    path = tmp_path / "snapshot.pt"
+    stdout = ok(torchrun(["--epochs", 3, "--snapshot", path, "--amp"], nproc=min(2, torch.cuda.device_count())))
+    losses = epoch_losses(stdout)
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    scaler = load(path)["SCALER_STATE"]
+    assert scaler is not None and scaler["scale"] > 0, scaler
