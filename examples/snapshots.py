@@ -103,8 +103,7 @@ def check_fits(snapshot: dict, path: Path, job: dict, module: torch.nn.Module) -
         raise SnapshotMismatch(
             f"snapshot {path} was written for model {_describe(theirs['model'])}, but this job trains model "
             f"{_describe(job['model'])} (mismatched: {_differences(theirs['model'], job['model'])}); pass the same "
-            f"--model/--width/--depth, "
-            f"or another --snapshot path to start afresh"
+            f"--model/--width/--depth, or another --snapshot path to start afresh"
         )
     if theirs["world_size"] != job["world_size"]:
         raise SnapshotMismatch(
@@ -121,7 +120,7 @@ def check_fits(snapshot: dict, path: Path, job: dict, module: torch.nn.Module) -
                 f"snapshot {path}: MODEL_STATE[{name!r}] has shape {tuple(tensor.shape)}, this model has {have}"
             )
     return [
-        f"snapshot {path} was written with {key}={theirs[key]}, this job has {key}={job[key]}: it resumes, "
+        f"snapshot {path} was written with {key}={theirs.get(key)}, this job has {key}={job.get(key)}: it resumes, "
         f"but will not match an uninterrupted run"
         for key in ("seed", "batch_size", "samples", "amp")
         if theirs.get(key) != job.get(key)

@@ -150,6 +150,10 @@ def say(job: Job, *message) -> None:
         print(*message, flush=True)
 
 
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds CUDA
     random.seed(seed)
@@ -411,7 +415,7 @@ def report_throughput(trainer: Trainer, label: str, job: Job) -> float:
     [samples] = global_sum([trainer.samples_run], job)
     seconds = max_over_ranks(torch.tensor(trainer.train_seconds), job)
     rate = samples / seconds if seconds else 0.0
-    say(job, f"{label}: {len(trainer.epoch_losses)} epochs on {job.world_size} ranks ({job.backend}, "
+    say(job, f"{label}: {count(len(trainer.epoch_losses), 'epoch')} on {job.world_size} ranks ({job.backend}, "
              f"{job.launcher}): {samples:,.0f} samples in {seconds:.2f} s, {rate:,.0f} samples/s")
     return rate
 
@@ -452,7 +456,7 @@ def main(argv=None) -> int:
     job = join_job(args)
     setup_logging(job.rank)
     say(job, f"training {args.model} with {args.ddp} DDP on {job.world_size} ranks ({job.backend} on {job.device}, "
-             f"launched by {job.launcher}), {args.epochs} epochs of {args.samples} samples, "
+             f"launched by {job.launcher}), {count(args.epochs, 'epoch')} of {args.samples} samples, "
              f"batch {args.batch_size} per rank{', amp' if args.amp else ''}")
     try:
         dataset = share_dataset(args, job)
