@@ -23,9 +23,20 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, sc
     With ``out`` (a preallocated bucket: the case that matters) the copy lands
     there and ``out`` is returned; with ``scale``, each element is multiplied
     on the way. Bitwise equal to ``torch._utils._flatten_dense_tensors``.
+
+    Without ``out`` the result is differentiable (its backward hands each
+    input its segment of the gradient, as ``torch.cat``'s does). With ``out``
+    it is an in-place copy outside autograd: a tensor that requires grad is
+    an error unless grad mode is off (``torch.no_grad()``), and ``out``'s
+    version counter is bumped. An input that shares memory with ``out`` is
+    an error, unless it is exactly its own segment of ``out``.
     """
     tensors = list(tensors)
     if out is None and scale != 1.0 and tensors:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            # flatten_into is not differentiable; flatten then mul_ is, and
+            # rounds the same (see csrc/ops/scaled_copy.h).
+            return torch.ops.pydist.flatten(tensors).mul_(scale)
         out = tensors[0].new_empty(sum(t.numel() for t in tensors))
     if out is not None:
         torch.ops.pydist.flatten_into(tensors, out, float(scale))
@@ -50,7 +61,13 @@ def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> None:
-    """Copy consecutive segments of ``flat`` back into ``tensors``, times ``scale``."""
+    """Copy consecutive segments of ``flat`` back into ``tensors``, times ``scale``.
+
+    An in-place copy outside autograd, as ``flatten(out=)``: tensors that
+    require grad need ``torch.no_grad()``; every target's version counter is
+    bumped. Targets must not share memory with each other, nor with ``flat``
+    except as exactly their own segment of it.
+    """
     torch.ops.pydist.unflatten_into(flat, list(tensors), float(scale))
 
 
@@ -72,6 +89,8 @@ def reference_unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]
 
 
 # --- fake-tensor rules, so the ops trace under torch.compile / opcheck ------
+# Argument checks run before these on the meta device (csrc/ops/flatten.cpp,
+# [Note: the layers of a flatten op]).
 
 
 @torch.library.register_fake("pydist::flatten")

@@ -39,12 +39,12 @@ def test_mixed_devices_name_the_tensor():
 
 
 def test_meta_tensor_among_cpu_ones_names_the_tensor():
-    # The mixed-device case this CPU-only machine can check: a meta tensor at index 1.
+    # The mixed-device case this CPU-only machine can check: a meta tensor at
+    # index 1 sends the call to the Meta kernel, which must not run unchecked.
+    # More in tests/test_ops_safety.py.
     tensors = [torch.ones(2), torch.empty(3, device="meta")]
-    with raises("tensors[1]", "meta", "tensors[0]", "cpu"):
-        torch.ops.pydist.flatten_into.default.redispatch(
-            torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), tensors, torch.empty(5)
-        )
+    with raises("flatten_into", "tensors[1]", "meta", "tensors[0]", "cpu"):
+        ops.flatten(tensors, out=torch.empty(5))
 
 
 @pytest.mark.parametrize("device", DEVICES)
