@@ -146,7 +146,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             static_graph=static_graph,
             record_timing=record_timing,
             chunk_bytes=int(allreduce_chunk_mb * bucketing.MB),
-            shm=self._shm,
+            transport=self._shm,  # None: the process group's
         )
         # static_graph: the first backward is reduced all at once at its end;
         # this flag records that the callback doing it has been queued.
