@@ -113,7 +113,7 @@ def extension():
     kwargs = dict(
         name="pydist._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
-        # librt: shm_open for glibc before 2.34 (csrc/shm); a stub after.
+        # librt: shm_open for glibc before 2.34 (csrc/transport/shm_transport.cpp); a stub after.
         extra_link_args=["-fopenmp", "-lrt"],
     )
     if with_cuda:

@@ -1,7 +1,10 @@
 """Collective bandwidth, nccl-tests style: gloo vs pydist's MPI backend (and
-nccl where CUDA is present), same ranks, same run; for all_reduce also
-pydist's shared-memory transport (backend "shm", what DDP all-reduces its
-buckets with when every rank shares the host: csrc/shm/shm_allreduce.h).
+nccl where CUDA is present), same ranks, same run, and pydist's
+shared-memory transport (backend "shm", what DDP all-reduces its buckets
+with when every rank shares the host: csrc/transport/shm_transport.h).
+Every backend is driven through the pydist.transport object DDP's reducer
+would use (ProcessGroupTransport, ShmTransport); broadcast, which
+transports do not carry, goes to the process group.
 
     mpiexec -n 2 python benchmarks/bench_collectives.py [--json out.json]
     python benchmarks/bench_collectives.py          # re-launches itself under mpiexec -n 2
@@ -55,10 +58,6 @@ class Row:
     wrong: int
 
 
-def _is_shm(group) -> bool:
-    return isinstance(group, pydist._C.ShmAllreduce)
-
-
 def _fill(n, rank, device):
     return (torch.arange(n, device=device) % PATTERN + rank + 1).to(torch.float32)
 
@@ -66,8 +65,8 @@ def _fill(n, rank, device):
 class Case:
     """Buffers of one collective at one size, the op, and its exact answer."""
 
-    def __init__(self, collective, count, rank, ws, device, group):
-        self.collective, self.rank, self.ws, self.group = collective, rank, ws, group
+    def __init__(self, collective, count, rank, ws, device, transport, group):
+        self.collective, self.rank, self.ws, self.transport, self.group = collective, rank, ws, transport, group
         self.count, self.device = count, device
         per_rank = count // ws
         if collective in ("all_reduce", "broadcast"):
@@ -82,17 +81,15 @@ class Case:
             self.buf.copy_(_fill(self.count, self.rank, self.device))
 
     def run(self):
-        g = self.group
-        if _is_shm(g):
-            g.allreduce_(self.buf)
-        elif self.collective == "all_reduce":
-            dist.all_reduce(self.buf, group=g)
+        t, g = self.transport, self.group
+        if self.collective == "all_reduce":
+            t.all_reduce(self.buf).wait()
         elif self.collective == "broadcast":
             dist.broadcast(self.buf, src=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
         elif self.collective == "all_gather":
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(self.buf, self.inp, group=g)
+            t.all_gather(self.inp, self.buf).wait()
         else:
-            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(self.buf, self.inp, group=g)
+            t.reduce_scatter(self.inp, self.buf).wait()
 
     def expected(self):
         ws, n = self.ws, self.count
@@ -118,9 +115,9 @@ def iterations(nbytes):
     return max(3, min(100, (64 << 20) // max(nbytes, 1)))
 
 
-def measure(collective, backend, group, nbytes, rank, ws, device, comm):
+def measure(collective, backend, transport, group, nbytes, rank, ws, device, comm):
     count = max(ws, nbytes // 4) // ws * ws
-    case = Case(collective, count, rank, ws, device, group)
+    case = Case(collective, count, rank, ws, device, transport, group)
     iters = iterations(nbytes)
     for _ in range(3):  # warm-up: the first calls on a fresh buffer can be several times slower
         case.run()
@@ -184,11 +181,13 @@ def main():
     rank, ws = world.rank, world.world_size
     comm = MPI.COMM_WORLD
     backends = args.backends or (["gloo", "shm", "mpi4py"] + (["nccl"] if torch.cuda.is_available() else []))
-    groups = {b: (None if b == "mpi4py" else dist.new_group(backend=b)) for b in backends if b != "shm"}
-    if "shm" in backends:
-        from pydist.ddp.shm_transport import open_shm_allreduce
+    from pydist import transport
 
-        groups["shm"] = open_shm_allreduce([torch.zeros(1)], None, wanted=True)
+    groups = {b: (dist.group.WORLD if b == "mpi4py" else dist.new_group(backend=b)) for b in backends if b != "shm"}
+    transports = {b: transport.ProcessGroupTransport(g) for b, g in groups.items()}
+    if "shm" in backends:
+        transports["shm"] = transport.open_shm(dist.group.WORLD)
+        groups["shm"] = None
     devices = {b: torch.device("cuda", torch.cuda.current_device()) if b == "nccl" else torch.device("cpu")
                for b in backends}
     sizes = []
@@ -200,16 +199,19 @@ def main():
     rows = []
     for collective in args.collectives:
         for backend in backends:
-            if backend == "shm" and collective != "all_reduce":
-                continue  # the transport does all-reduce only
-            mine = [measure(collective, backend, groups[backend], s, rank, ws, devices[backend], comm) for s in sizes]
+            if groups[backend] is None and collective == "broadcast":
+                continue  # a transport without a group does not broadcast
+            mine = [measure(collective, backend, transports[backend], groups[backend], s, rank, ws, devices[backend],
+                            comm) for s in sizes]
             rows += mine
             if rank == 0:
                 print_table(mine, collective, backend, ws)
                 sys.stdout.flush()
     if rank == 0:
-        if "gloo" in backends and "shm" in backends and "all_reduce" in args.collectives:
-            print_ratios(rows, "all_reduce", "shm", "gloo")
+        if "gloo" in backends and "shm" in backends:
+            for collective in args.collectives:
+                if collective != "broadcast":
+                    print_ratios(rows, collective, "shm", "gloo")
         if "gloo" in backends and "mpi4py" in backends:
             for collective in args.collectives:
                 print_ratios(rows, collective, "mpi4py", "gloo")

@@ -5,7 +5,12 @@
 #include <torch/library.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+
 #include "reducer/reducer.h"
+#include "transport/comm_hook_transport.h"
+#include "transport/process_group_transport.h"
+#include "transport/shm_transport.h"
 
 namespace py = pybind11;
 
@@ -20,11 +25,6 @@ TORCH_LIBRARY(pydist, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pydist's compiled runtime: fused flatten ops and the gradient reducer";
-#ifdef PYDIST_WITH_CUDA
-  m.attr("with_cuda") = true;
-#else
-  m.attr("with_cuda") = false;
-#endif
 
   using pydist::Reducer;
   py::class_<pydist::BucketRecord>(m, "BucketRecord", "Timing of one bucket; ns since backward began")
@@ -45,51 +45,87 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Methods that wait on collectives release the GIL: a process group written
   // in Python (the mpi4py backend) needs it to make progress.
   auto nogil = py::call_guard<py::gil_scoped_release>();
-  using pydist::ShmAllreduce;
-  py::class_<ShmAllreduce, std::shared_ptr<ShmAllreduce>>(
-      m, "ShmAllreduce", "All-reduce through shared memory for ranks on one host (csrc/shm/shm_allreduce.h)")
+  // pydist.transport: see csrc/transport/transport.h, [Note: transports].
+  namespace tp = pydist::transport;
+  using pydist::ShmTransport;
+  py::class_<tp::Future>(m, "TransportFuture", "One collective in flight on a transport")
+      .def("wait", &tp::Future::wait, nogil,
+           "Blocks until done (raises its error); returns the completion time in ns on the steady clock "
+           "(time.monotonic_ns's clock), or -1 when the transport stamps no times")
+      .def("done", &tp::Future::completed);
+  py::class_<tp::Transport, std::shared_ptr<tp::Transport>>(m, "Transport",
+                                                              "Moves tensors between the ranks of one group")
+      .def("all_reduce", &tp::Transport::all_reduce, py::arg("piece"), py::arg("scale") = 1.0, nogil,
+           "piece := sum over ranks of piece * scale, in place")
+      .def("reduce_scatter", &tp::Transport::reduce_scatter, py::arg("input"), py::arg("output_shard"),
+           py::arg("scale") = 1.0, nogil,
+           "output_shard := sum over ranks of shard `rank` of input (world_size contiguous shards) * scale")
+      .def("all_gather", &tp::Transport::all_gather, py::arg("shard"), py::arg("output"), nogil,
+           "output := every rank's shard, in rank order")
+      .def("stats", &tp::Transport::stats, "counters a wrapper keeps; empty otherwise")
+      .def("set_stamp_completion", &tp::Transport::set_stamp_completion, py::arg("on"))
+      .def_property_readonly("applies_scale", &tp::Transport::applies_scale)
+      .def_property_readonly("owns_buckets", &tp::Transport::owns_buckets)
+      .def_property_readonly("rank", &tp::Transport::rank)
+      .def_property_readonly("world_size", &tp::Transport::world_size)
+      .def_property_readonly("name", &tp::Transport::name);
+  py::class_<tp::ProcessGroupTransport, tp::Transport, std::shared_ptr<tp::ProcessGroupTransport>>(
+      m, "ProcessGroupTransport", "A torch ProcessGroup (gloo, NCCL, the mpi4py backend) as a transport")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+  py::class_<ShmTransport, tp::Transport, std::shared_ptr<ShmTransport>>(
+      m, "ShmTransport", "Collectives through shared memory for ranks on one host (csrc/transport/shm_transport.h)")
       .def(py::init([](std::string name, int64_t rank, int64_t world_size, bool create, double timeout_s) {
-             return std::make_shared<ShmAllreduce>(std::move(name), rank, world_size, create,
+             return std::make_shared<ShmTransport>(std::move(name), rank, world_size, create,
                                                    std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3)));
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("create"), py::arg("timeout_s"), nogil)
-      .def("unlink", &ShmAllreduce::unlink)
+      .def("unlink", &ShmTransport::unlink)
       .def(
           "allreduce_",
-          [](ShmAllreduce& self, at::Tensor tensor, double scale) {
-            self.allreduce(tensor, scale)->waitAndThrow();
+          [](ShmTransport& self, at::Tensor tensor, double scale) {
+            self.all_reduce(tensor, scale).wait();
             return tensor;
           },
           py::arg("tensor"), py::arg("scale") = 1.0, nogil,
           "Sum of every rank's tensor times scale, in place; blocks until done")
-      .def_static("supports", &ShmAllreduce::supports, py::arg("dtype"))
-      .def_property_readonly("name", &ShmAllreduce::name)
-      .def_property_readonly("rank", &ShmAllreduce::rank)
-      .def_property_readonly("world_size", &ShmAllreduce::world_size);
+      .def_static("supports", &ShmTransport::supports, py::arg("dtype"))
+      .def_property_readonly("segment_name", &ShmTransport::segment_name);
+  m.def("wrap_transport", &tp::wrap, py::arg("name"), py::arg("inner"), py::arg("options") = tp::WrapperOptions{},
+        "Puts the registered wrapper `name` in front of `inner`");
+  m.def("registered_wrappers", &tp::registered_wrappers);
 
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer", "The C++ gradient reducer (csrc/reducer/reducer.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets, c10::intrusive_ptr<c10d::ProcessGroup> pg,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool record_timing, int64_t chunk_bytes, std::shared_ptr<ShmAllreduce> shm) {
+                       bool record_timing, int64_t chunk_bytes, std::shared_ptr<tp::Transport> transport) {
              pydist::ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
              options.record_timing = record_timing;
              options.chunk_bytes = chunk_bytes;
+             if (!transport) transport = std::make_shared<tp::ProcessGroupTransport>(pg);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
-                                              std::move(pg), options, std::move(shm));
+                                              std::move(pg), options, std::move(transport));
            }),
            py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("static_graph") = false, py::arg("record_timing") = false,
-           py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes, py::arg("shm") = nullptr)
-      .def("initialize_buckets", &Reducer::initialize_buckets, nogil)
+           py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes, py::arg("transport") = nullptr)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, nogil)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, nogil)
       .def("delay_all_reduce", &Reducer::delay_all_reduce, nogil)
-      .def("set_comm_hook", &Reducer::set_comm_hook)
+      .def(
+          "set_comm_hook",
+          [](Reducer& self, py::object state, py::object hook) {
+            auto current = self.transport();
+            self.set_comm_hook(std::make_shared<tp::CommHookTransport>(
+                std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)), current->rank(),
+                current->world_size()));
+          },
+          py::arg("state"), py::arg("hook"))
+      .def_property_readonly("transport", &Reducer::transport)
       .def("match_all_reduce_for_bwd_pass", &Reducer::match_all_reduce_for_bwd_pass, nogil)
       .def("match_unused_params_allreduce", &Reducer::match_unused_params_allreduce, nogil)
       .def("ready_order", &Reducer::ready_order)
@@ -97,8 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
       .def("last_record", &Reducer::last_record)
       .def("set_record_timing", &Reducer::set_record_timing)
-      .def("set_average_divisor", &Reducer::set_average_divisor)
-      .def_property_readonly("num_iterations", &Reducer::num_iterations);
+      .def("set_average_divisor", &Reducer::set_average_divisor);
 
   m.def("streaming_isa", &pydist::ops::streaming_isa,
         "instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)");

@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce (csrc/shm/shm_allreduce.h), on its own.
+"""The shared-memory transport's all-reduce (csrc/transport/shm_transport.h), on its own.
 
 Sums are checked exactly: integer-valued inputs, and scales that are powers
 of two, so every dtype holds the exact answer; random floats are checked
@@ -85,7 +85,7 @@ def test_two_ranks_bitwise_equal_to_gloo():
 
 def test_rejects_what_it_cannot_carry():
     name = _name()
-    shm = _C.ShmAllreduce(name, 0, 1, create=True, timeout_s=5)
+    shm = _C.ShmTransport(name, 0, 1, create=True, timeout_s=5)
     shm.unlink()
     with pytest.raises(RuntimeError, match="contiguous CPU tensor of float32"):
         shm.allreduce_(torch.zeros(4, dtype=torch.int64))
@@ -94,27 +94,27 @@ def test_rejects_what_it_cannot_carry():
     x = torch.arange(5.0)
     shm.allreduce_(x, 0.5)  # a group of one: its own tensor, scaled
     assert torch.equal(x, torch.arange(5.0) * 0.5)
-    assert not _C.ShmAllreduce.supports(torch.int32)
+    assert not _C.ShmTransport.supports(torch.int32)
 
 
 def test_open_errors_name_the_object():
     with pytest.raises(RuntimeError, match=r"rank 1 could not open the shared-memory object /pydist-test-.*No such file"):
-        _C.ShmAllreduce(_name(), 1, 2, create=False, timeout_s=1)
+        _C.ShmTransport(_name(), 1, 2, create=False, timeout_s=1)
     name = _name()
-    first = _C.ShmAllreduce(name, 0, 2, create=True, timeout_s=1)
+    first = _C.ShmTransport(name, 0, 2, create=True, timeout_s=1)
     try:
         with pytest.raises(RuntimeError, match="expected .* bytes for 3 ranks"):
-            _C.ShmAllreduce(name, 1, 3, create=False, timeout_s=1)
+            _C.ShmTransport(name, 1, 3, create=False, timeout_s=1)
         with pytest.raises(RuntimeError, match="could not create"):
-            _C.ShmAllreduce(name, 0, 2, create=True, timeout_s=1)
+            _C.ShmTransport(name, 0, 2, create=True, timeout_s=1)
     finally:
         first.unlink()
 
 
 def _pair(timeout_s=5.0):
     name = _name()
-    ends = [_C.ShmAllreduce(name, 0, 2, create=True, timeout_s=timeout_s)]
-    ends.append(_C.ShmAllreduce(name, 1, 2, create=False, timeout_s=timeout_s))
+    ends = [_C.ShmTransport(name, 0, 2, create=True, timeout_s=timeout_s)]
+    ends.append(_C.ShmTransport(name, 1, 2, create=False, timeout_s=timeout_s))
     ends[0].unlink()
     return ends
 
@@ -173,20 +173,27 @@ def test_peer_that_never_arrives_times_out_and_aborts_the_others():
 
 
 def _map_then_die(name, ready):
-    end = _C.ShmAllreduce(name, 1, 2, create=False, timeout_s=60)  # noqa: F841 - held until the process dies
+    end = _C.ShmTransport(name, 1, 2, create=False, timeout_s=60)  # noqa: F841 - held until the process dies
     ready.set()
     os._exit(3)  # no destructor: as if killed
 
 
-@pytest.mark.timeout(60)
-def test_peer_process_that_died_fails_the_wait_at_once():
+def _rank_zero_and_a_peer_that_dies():
+    """Rank 0's end, and a child process that maps rank 1's end and exits
+    without a destructor (not yet reaped: the caller joins it)."""
     name = _name()
-    end = _C.ShmAllreduce(name, 0, 2, create=True, timeout_s=60)
+    end = _C.ShmTransport(name, 0, 2, create=True, timeout_s=60)
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     child = ctx.Process(target=_map_then_die, args=(name, ready))
     child.start()
     assert ready.wait(30)
+    return end, child
+
+
+@pytest.mark.timeout(60)
+def test_peer_process_that_died_fails_the_wait_at_once():
+    end, child = _rank_zero_and_a_peer_that_dies()
     child.join(30)
     end.unlink()
     start = time.monotonic()
@@ -226,3 +233,179 @@ def test_shm_allreduce_differing_across_ranks_raises_on_every_rank():
     messages = run_ranks(_mismatched_wanted, 2, timeout=50)
     for message in messages:
         assert "shm_allreduce differs across ranks (rank 0: True, rank 1: False)" in message
+
+
+# --- issue 17: zombies, forked children, leaked segments ----------------------
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.timeout(60)
+def test_zombie_peer_fails_the_wait_at_once():
+    # A launcher that reaps its children one by one leaves a dead rank a
+    # zombie; kill(pid, 0) succeeds on a zombie, so the state is read too.
+    end, child = _rank_zero_and_a_peer_that_dies()
+    try:
+        deadline = time.monotonic() + 30
+        while _process_state(child.pid) != "Z":  # exited, not reaped (no join, no is_alive)
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"waited for rank 1 .*its process \(pid {child.pid}\) has exited"):
+            end.allreduce_(torch.ones(10))
+        assert time.monotonic() - start < 5  # generous: the machine is shared
+    finally:
+        child.join(30)
+
+
+_FORK_SCRIPT = r"""
+import os, sys, threading, time
+import torch
+from pydist import _C
+
+name = sys.argv[1]
+ends = [_C.ShmTransport(name, 0, 2, create=True, timeout_s=30),
+        _C.ShmTransport(name, 1, 2, create=False, timeout_s=30)]
+pid = os.fork()
+if pid == 0:
+    try:
+        ends[0].allreduce_(torch.ones(3))
+        print("CHILD USED THE PARENT'S END")
+    except RuntimeError as exc:
+        print("child refused:", exc)
+    sys.stdout.flush()
+    sys.exit(0)  # interpreter teardown destroys the inherited ends
+start = time.monotonic()
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    if time.monotonic() - start > 20:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("CHILD HUNG AT EXIT")
+        sys.exit(1)
+    time.sleep(0.02)
+print(f"child exited after {time.monotonic() - start:.2f} s")
+# The child left the parent's ends attached and working.
+xs = [torch.arange(5.0), torch.arange(5.0) * 10]
+threads = [threading.Thread(target=e.allreduce_, args=(x,)) for e, x in zip(ends, xs)]
+[t.start() for t in threads]
+[t.join(20) for t in threads]
+assert torch.equal(xs[0], torch.arange(5.0) * 11) and torch.equal(xs[1], xs[0]), xs
+print("parent ends still work")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_forked_child_exits_without_joining_the_parents_worker():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, _name()], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "child refused: ShmTransport.all-reduce: this end of /pydist-test-" in out.stdout
+    assert "was forked from it and cannot use it" in out.stdout
+    assert "parent ends still work" in out.stdout
+    exit_s = float(out.stdout.split("child exited after ")[1].split(" s")[0])
+    assert exit_s < 10, out.stdout  # generous: the machine is shared
+
+
+def _segments() -> set:
+    return {e for e in os.listdir("/dev/shm") if e.startswith("pydist-")}
+
+
+def _create_and_die(name, names):
+    from pydist.ddp import shm_transport
+
+    name = name or shm_transport._new_segment_name()  # named as a rank 0 names it
+    end = _C.ShmTransport(name, 0, 2, create=True, timeout_s=60)  # noqa: F841 - held until the process dies
+    names.put(name)
+    names.close()
+    names.join_thread()  # flushed before the abrupt exit
+    os._exit(9)  # no destructor, no finally: as if killed
+
+
+def _killed_creator(name=None) -> str:
+    """The name of a segment whose creator was killed before anyone mapped it."""
+    ctx = mp.get_context("spawn")
+    names = ctx.Queue()
+    child = ctx.Process(target=_create_and_die, args=(name, names))
+    child.start()
+    name = names.get(timeout=30)
+    child.join(30)
+    assert child.exitcode == 9
+    return name
+
+
+@pytest.mark.timeout(60)
+def test_creator_killed_before_peers_map_leaves_no_segment():
+    name = _name()
+    _killed_creator(name)
+    assert name[1:] in _segments()  # rank 0 died between creating and the others mapping
+    end = _C.ShmTransport(name, 1, 2, create=False, timeout_s=1)  # the last rank to map removes the name
+    assert name[1:] not in _segments()
+    del end
+
+
+@pytest.mark.timeout(60)
+def test_segment_whose_creator_died_unmapped_is_swept():
+    from pydist.ddp import shm_transport
+
+    name = _killed_creator()
+    mine = shm_transport._new_segment_name()  # a creator that is alive: this process
+    live = _C.ShmTransport(mine, 0, 2, create=True, timeout_s=1)
+    assert {name[1:], mine[1:]} <= _segments()
+    removed = shm_transport.sweep_stale_segments()  # other dead jobs' leftovers may go too
+    assert name[1:] in removed and mine[1:] not in removed
+    assert name[1:] not in _segments() and mine[1:] in _segments()
+    del live  # rank 0's end unlinks a name nobody else mapped
+    assert mine[1:] not in _segments()
+
+
+def _rank_killed_while_attaching(rank, world_size, store_path, results):
+    import datetime
+
+    from pydist.ddp import shm_transport
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30))
+    if rank == 1:
+        def killed(*args):
+            os._exit(9)  # killed after rank 0 created the segment, before mapping it
+        shm_transport._attach = killed
+    start = time.monotonic()
+    try:
+        shm_transport.open_shm_allreduce([torch.zeros(1)], dist.group.WORLD, wanted=None)
+        results.put(("returned", time.monotonic() - start))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.timeout(90)
+def test_rank_killed_while_attaching_leaves_no_segment(tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_killed_while_attaching, args=(r, 2, str(tmp_path / "store"), results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        message, elapsed = results.get(timeout=60)  # rank 0's: rank 1 died before answering
+        print(f"rank 0, {elapsed:.2f} s after rank 1 was killed: {message}")
+        for p in procs:
+            p.join(30)
+        assert procs[1].exitcode == 9
+        assert elapsed < 25, message  # the peer's death is seen before the 30 s group timeout
+        # Other jobs on this machine make segments too: look for rank 0's.
+        assert not [s for s in _segments() if f"-{procs[0].pid}-" in s], message
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()

@@ -5,7 +5,6 @@
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/distributed/c10d/python_comm_hook.h>
 
 #include <algorithm>
 #include <sstream>
@@ -25,17 +24,19 @@ Reducer::Reducer(std::vector<at::Tensor> params,
                  std::vector<std::vector<int64_t>> bucket_indices,
                  c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                  ReducerOptions options,
-                 std::shared_ptr<ShmAllreduce> shm)
+                 std::shared_ptr<transport::Transport> transport)
     : params_(std::move(params)),
       param_names_(std::move(param_names)),
       process_group_(std::move(process_group)),
-      shm_(std::move(shm)),
+      transport_(std::move(transport)),
       options_(options) {
   TORCH_CHECK(process_group_, "Reducer: process_group is None");
-  TORCH_CHECK(!shm_ || (shm_->rank() == process_group_->getRank() && shm_->world_size() == process_group_->getSize()),
-              "Reducer: the shared-memory transport is rank ", shm_ ? shm_->rank() : 0, " of ",
-              shm_ ? shm_->world_size() : 0, ", the process group rank ", process_group_->getRank(), " of ",
+  TORCH_CHECK(transport_, "Reducer: transport is None");
+  TORCH_CHECK(transport_->rank() == process_group_->getRank() && transport_->world_size() == process_group_->getSize(),
+              "Reducer: the transport (", transport_->name(), ") is rank ", transport_->rank(), " of ",
+              transport_->world_size(), ", the process group rank ", process_group_->getRank(), " of ",
               process_group_->getSize());
+  transport_->set_stamp_completion(options_.record_timing);
   TORCH_CHECK(params_.size() == param_names_.size(), "Reducer: got ", params_.size(),
               " parameters but ", param_names_.size(), " names");
   const auto n = static_cast<int64_t>(params_.size());
@@ -51,9 +52,6 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = params_[i];
     TORCH_CHECK(p.requires_grad(), "Reducer: parameter ", param_names_[i], " does not require grad");
-    TORCH_CHECK(!shm_ || (p.is_cpu() && ShmAllreduce::supports(p.scalar_type())), "Reducer: parameter ",
-                param_names_[i], " (", p.scalar_type(), " on ", p.device(),
-                ") cannot go through the shared-memory transport");
     AccumulatorPtr accumulator = torch::autograd::impl::grad_accumulator(p);
     TORCH_CHECK(accumulator, "Reducer: parameter ", param_names_[i],
                 " has no gradient accumulator (it is not a leaf tensor)");
@@ -163,7 +161,7 @@ void Reducer::split_into_chunks(Bucket& bucket) const {
   // off; otherwise cut after the parameter that brings a chunk to chunk_bytes.
   // See [Note: chunked launches].
   const int64_t itemsize = bucket.buffer.element_size();
-  const bool whole = comm_hook_ != nullptr || options_.chunk_bytes <= 0;
+  const bool whole = transport_->owns_buckets() || options_.chunk_bytes <= 0;
   bucket.chunks.clear();
   bucket.chunk_of_slot.assign(bucket.param_indices.size(), 0);
   Chunk chunk;
@@ -264,11 +262,8 @@ void Reducer::reset_for_backward() {
     bucket.next_chunk = 0;
     for (Chunk& chunk : bucket.chunks) {
       chunk.pending = chunk.end_slot - chunk.first_slot;
-      chunk.work.reset();
-      chunk.shm_work.reset();
-      chunk.completed_at.reset();
+      chunk.future = transport::Future();
     }
-    bucket.future.reset();
     bucket.record.first_grad_ns = bucket.record.last_grad_ns = -1;
     bucket.record.launch_ns = bucket.record.complete_ns = bucket.record.done_ns = -1;
   }
@@ -279,7 +274,7 @@ void Reducer::reset_for_backward() {
 // --- resident gradients: see [Note: resident gradients] -------------------
 
 bool Reducer::resident_grads() const {
-  return !options_.gradient_as_bucket_view && !comm_hook_ && !options_.find_unused_parameters &&
+  return !options_.gradient_as_bucket_view && !transport_->owns_buckets() && !options_.find_unused_parameters &&
          !options_.static_graph && params_.front().is_cpu();
 }
 
@@ -420,9 +415,10 @@ at::Tensor& Reducer::zeros_for(int64_t index) {
 void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
   if (chunk.first_slot == 0 && resident_grads()) make_bucket_writable(bucket);
   at::Tensor piece = bucket.buffer.narrow(0, chunk.offset, chunk.numel);
-  // The average is taken here, on the way into the bucket, unless a comm hook
-  // takes it or the shm transport does: [Note: averaging], [Note: which transport].
-  const double scale_in = comm_hook_ || shm_transport() ? 1.0 : average_scale_;
+  // The average is taken here, on the way into the bucket, unless the
+  // transport takes it: [Note: averaging], [Note: which transport].
+  const bool transport_scales = transport_->applies_scale();
+  const double scale_in = transport_scales ? 1.0 : average_scale_;
   if (options_.gradient_as_bucket_view) {
     // Gradients accumulate straight into the bucket once they are its views;
     // one that is not yet (first iteration, or set to None) moves in now.
@@ -450,23 +446,22 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
   // Stamped before the collective starts: a transport's thread may run it to
   // completion before this thread gets the core back.
   if (options_.record_timing && bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
-  if (comm_hook_) {  // a hook's bucket is one chunk: see split_into_chunks
-    std::vector<at::Tensor> bucket_params;
-    bucket_params.reserve(bucket.param_indices.size());
-    for (int64_t i : bucket.param_indices) bucket_params.push_back(params_[i]);
-    c10d::GradBucket grad_bucket(bucket_index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.lengths,
-                                 bucket.sizes, std::move(bucket_params), std::nullopt);
-    bucket.future = comm_hook_->runHook(grad_bucket);
-  } else if (shm_transport()) {
-    chunk.shm_work = shm_->allreduce(piece, average_scale_);
+  const double scale = transport_scales ? average_scale_ : 1.0;
+  if (transport_->owns_buckets()) {  // its bucket is one chunk: see split_into_chunks
+    c10d::GradBucket whole = grad_bucket(bucket_index, bucket.buffer);
+    chunk.future = transport_->all_reduce_bucket(piece, scale, whole);
   } else {
-    std::vector<at::Tensor> tensors{piece};
-    chunk.work = process_group_->allreduce(tensors);
+    chunk.future = transport_->all_reduce(piece, scale);
   }
-  if (options_.record_timing) {
-    chunk.completed_at =
-        stamp_completion(comm_hook_ ? bucket.future : chunk.shm_work ? chunk.shm_work : chunk.work->getFuture());
-  }
+}
+
+c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, const at::Tensor& buffer) const {
+  const Bucket& bucket = buckets_[bucket_index];
+  std::vector<at::Tensor> bucket_params;
+  bucket_params.reserve(bucket.param_indices.size());
+  for (int64_t i : bucket.param_indices) bucket_params.push_back(params_[i]);
+  return c10d::GradBucket(bucket_index, buckets_.size(), buffer, bucket.offsets, bucket.lengths, bucket.sizes,
+                          std::move(bucket_params), std::nullopt);
 }
 
 void Reducer::launch_local_used_allreduce() {
@@ -513,21 +508,16 @@ void Reducer::finalize_backward() {
   }
   // Chunk by chunk: results of early chunks are written back while later
   // ones are still on the wire.
+  const int64_t backward_start_ns = transport::steady_ns(backward_start_);
   for (Bucket& bucket : buckets_) {
-    at::Tensor result = bucket.buffer;
-    if (comm_hook_) {
-      bucket.future->waitAndThrow();
-      result = comm_hook_->parseHookResult(bucket.future->value()).view(-1);
-      TORCH_CHECK(result.numel() == bucket.buffer.numel(), "comm hook returned a tensor of ", result.numel(),
-                  " elements for bucket ", bucket.record.index, " of ", bucket.buffer.numel());
-    }
     for (const Chunk& chunk : bucket.chunks) {
-      if (chunk.work) chunk.work->wait();
-      if (chunk.shm_work) chunk.shm_work->waitAndThrow();
-      if (chunk.completed_at) {
-        chunk.completed_at->wait();
-        bucket.record.complete_ns = std::max(bucket.record.complete_ns, chunk.completed_at->value().toInt());
+      const int64_t completed = chunk.future.wait();
+      if (timing && completed >= 0) {
+        bucket.record.complete_ns = std::max(bucket.record.complete_ns, completed - backward_start_ns);
       }
+      // The reduced values: the bucket's own buffer, or what a comm hook returned.
+      const at::Tensor result = transport_->owns_buckets() ? transport_->result_of(chunk.future, bucket.buffer)
+                                                           : bucket.buffer;
       finalize_chunk(bucket, chunk, result);
     }
     if (timing) bucket.record.done_ns = now_ns();
@@ -604,31 +594,20 @@ void Reducer::finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tenso
 
 void Reducer::match_all_reduce_for_bwd_pass() {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;  // comm hooks' and the shm transport's
+  std::vector<transport::Future> futures;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    const Bucket& bucket = buckets_[b];
-    at::Tensor zeros = at::zeros_like(bucket.buffer);
-    if (comm_hook_) {
-      std::vector<at::Tensor> bucket_params;
-      for (int64_t i : bucket.param_indices) bucket_params.push_back(params_[i]);
-      c10d::GradBucket grad_bucket(b, buckets_.size(), zeros, bucket.offsets, bucket.lengths, bucket.sizes,
-                                   std::move(bucket_params), std::nullopt);
-      futures.push_back(comm_hook_->runHook(grad_bucket));
-    } else {
-      for (const Chunk& chunk : bucket.chunks) {  // the same pieces, on the same transport, as active ranks
-        at::Tensor piece = zeros.narrow(0, chunk.offset, chunk.numel);
-        if (shm_transport()) {
-          futures.push_back(shm_->allreduce(piece, 1.0));
-        } else {
-          std::vector<at::Tensor> tensors{piece};
-          works.push_back(process_group_->allreduce(tensors));
-        }
+    at::Tensor zeros = at::zeros_like(buckets_[b].buffer);
+    for (const Chunk& chunk : buckets_[b].chunks) {  // the same pieces, on the same transport, as active ranks
+      at::Tensor piece = zeros.narrow(0, chunk.offset, chunk.numel);
+      if (transport_->owns_buckets()) {
+        c10d::GradBucket whole = grad_bucket(b, zeros);
+        futures.push_back(transport_->all_reduce_bucket(piece, 1.0, whole));
+      } else {
+        futures.push_back(transport_->all_reduce(piece, 1.0));
       }
     }
   }
-  for (auto& work : works) work->wait();
-  for (auto& future : futures) future->waitAndThrow();
+  for (const auto& future : futures) future.wait();
 }
 
 void Reducer::match_unused_params_allreduce() {
@@ -639,13 +618,21 @@ void Reducer::match_unused_params_allreduce() {
 
 // --- comm hooks and records -----------------------------------------------
 
-void Reducer::set_comm_hook(pybind11::object state, pybind11::object hook) {
+void Reducer::set_comm_hook(std::shared_ptr<transport::Transport> hook_transport) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!comm_hook_, "register_comm_hook may only be called once");
+  TORCH_CHECK(!transport_replaced_, "register_comm_hook may only be called once");
   TORCH_CHECK(num_iterations_ == 0 && !require_finalize_,
               "register_comm_hook must be called before the first backward");
-  comm_hook_ = std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook));
+  TORCH_CHECK(hook_transport, "set_comm_hook: the hook's transport is None");
+  transport_ = std::move(hook_transport);
+  transport_->set_stamp_completion(options_.record_timing);
+  transport_replaced_ = true;
   for (Bucket& bucket : buckets_) split_into_chunks(bucket);  // a hook gets whole buckets
+}
+
+std::shared_ptr<transport::Transport> Reducer::transport() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return transport_;
 }
 
 void Reducer::set_average_divisor(int64_t divisor) {
@@ -659,19 +646,6 @@ int64_t Reducer::now_ns() const {
       .count();
 }
 
-// The time a collective finished, as seen by the thread that completed it
-// (finalize only learns it later, when it gets round to waiting): the child
-// future's value, so no state is shared with that thread.
-c10::intrusive_ptr<c10::ivalue::Future> Reducer::stamp_completion(
-    const c10::intrusive_ptr<c10::ivalue::Future>& comm) const {
-  const auto start = backward_start_;
-  return comm->then(
-      [start](c10::ivalue::Future&) -> c10::IValue {
-        return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-      },
-      c10::IntType::get());
-}
-
 IterationRecord Reducer::last_record() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return last_record_;
@@ -680,6 +654,7 @@ IterationRecord Reducer::last_record() const {
 void Reducer::set_record_timing(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   options_.record_timing = on;
+  transport_->set_stamp_completion(on);
 }
 
 }  // namespace pydist

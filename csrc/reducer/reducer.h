@@ -12,8 +12,10 @@
 //   finalize_backward               (C++, autograd engine callback at the
 //                                    end of backward: waits, writes back)
 //
-// No Python runs per gradient. A user's comm hook (Python) runs once per
-// bucket, inside launch_chunk.
+// No Python runs per gradient. Every collective goes through one
+// transport::Transport (csrc/transport/transport.h), which keeps one Future
+// per piece in flight; a user's comm hook is a transport too (it runs once
+// per bucket, inside launch_chunk).
 //
 // [Note: averaging]
 // Gradients are averaged by world size as torch does it: each gradient is
@@ -74,21 +76,20 @@
 //     so there it would cost safety and gain nothing.
 //
 // [Note: which transport]
-// A chunk is all-reduced on the process group, unless the wrapper handed the
-// reducer a ShmAllreduce (CPU buckets, every rank of the group on one host:
-// pydist/ddp/shm_transport.py decides). Then chunks go through shared memory
-// instead of gloo's loopback TCP (see [Note: shared-memory all-reduce] in
-// shm/shm_allreduce.h), and the 1/world_size of [Note: averaging] is applied
-// by the transport as it copies, so a resident gradient is not touched at
-// all before its chunk launches. Everything else (the unused-parameter map,
-// comm hooks, buffers) stays on the process group; each transport keeps its
-// own order, the same on every rank.
+// A chunk is all-reduced on the reducer's transport: the process group's
+// (the default), one the Python wrapper chose (shared memory where every
+// rank of a CPU group shares a host), or a comm hook's adapter once one is
+// registered. A transport that applies the scale
+// itself as it copies (applies_scale()) gets the 1/world_size of [Note:
+// averaging] with the piece, so a resident gradient is not touched at all
+// before its chunk launches; otherwise the scale is folded into the copy in.
+// Everything else (the unused-parameter map) stays on the process group;
+// each keeps its own order, the same on every rank.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -101,7 +102,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "shm/shm_allreduce.h"
+#include "transport/transport.h"
 
 namespace pydist {
 
@@ -148,17 +149,17 @@ class Reducer {
   // Takes the model's parameters (those that require grad, in model order),
   // their names (for error messages), the initial bucket assignment (lists of
   // parameter indices, in launch order; every parameter exactly once; one
-  // dtype and device per bucket) and the group to reduce over. `shm`, if not
-  // null, carries the chunk all-reduces instead of the group: it must span
-  // the same ranks, and every parameter must be a CPU tensor of a dtype it
-  // supports (see [Note: which transport]). Registers a post-hook on each
-  // parameter's gradient accumulator.
+  // dtype and device per bucket), the group (its rank and size, and the
+  // unused-parameter map) and the transport that carries the chunks: it must
+  // span the same ranks and carry every parameter's dtype and device (see
+  // [Note: which transport]). Registers a post-hook on each parameter's
+  // gradient accumulator.
   Reducer(std::vector<at::Tensor> params,
           std::vector<std::string> param_names,
           std::vector<std::vector<int64_t>> bucket_indices,
           c10::intrusive_ptr<c10d::ProcessGroup> process_group,
           ReducerOptions options,
-          std::shared_ptr<ShmAllreduce> shm = nullptr);
+          std::shared_ptr<transport::Transport> transport);
 
   // Removes the hooks, so a dropped wrapper leaves the parameters clean.
   ~Reducer();
@@ -189,10 +190,13 @@ class Reducer {
   // autograd engine callback from the backward of its output sink.
   void delay_all_reduce();
 
-  // Runs `hook(state, bucket: GradBucket) -> Future[Tensor]` in place of the
-  // built-in all-reduce, once per bucket. Must be set before the first
-  // backward, once.
-  void set_comm_hook(pybind11::object state, pybind11::object hook);
+  // Replaces the transport with a comm hook's adapter (transport/
+  // comm_hook_transport.h: `hook(state, bucket) -> Future[Tensor]` runs once
+  // per bucket). Must be called before the first backward, once.
+  void set_comm_hook(std::shared_ptr<transport::Transport> hook_transport);
+
+  // The transport the chunks go through.
+  std::shared_ptr<transport::Transport> transport() const;
 
   // Joined rank of torch.distributed.algorithms.join: launches the same
   // collectives, in the same bucket order, as a rank still training, on
@@ -222,8 +226,6 @@ class Reducer {
   IterationRecord last_record() const;
   void set_record_timing(bool on);
 
-  int64_t num_iterations() const { return num_iterations_; }
-
  private:
   // A piece of a bucket reduced by one collective: consecutive slots whose
   // gradients launch as soon as they, and every chunk before, are ready.
@@ -233,11 +235,7 @@ class Reducer {
     int64_t offset = 0;     // element range of the bucket buffer it covers
     int64_t numel = 0;
     size_t pending = 0;     // its gradients not yet ready this iteration
-    c10::intrusive_ptr<c10d::Work> work;  // its all-reduce in flight on the process group
-    c10::intrusive_ptr<c10::ivalue::Future> shm_work;  // or on shm_
-    // Records only: completes with the time (ns, an int) its collective
-    // finished. See stamp_completion.
-    c10::intrusive_ptr<c10::ivalue::Future> completed_at;
+    transport::Future future;  // its all-reduce in flight, from launch to finalize
   };
 
   // One group of gradients: the unit comm hooks and records see.
@@ -254,7 +252,6 @@ class Reducer {
     // resident gradients]); alive while anything still holds that gradient.
     std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> resident;
     size_t next_chunk = 0;                // next chunk to launch this iteration
-    c10::intrusive_ptr<c10::ivalue::Future> future;  // comm hook in flight
     BucketRecord record;
   };
 
@@ -287,12 +284,11 @@ class Reducer {
   bool should_rebuild_buckets_locked() const;
   void reset_for_backward();
   void launch_local_used_allreduce();
-  bool shm_transport() const { return shm_ && !comm_hook_; }  // [Note: which transport]
   bool globally_unused(int64_t index) const;
   at::Tensor& zeros_for(int64_t index);
   std::string describe_unready_params() const;
   int64_t now_ns() const;
-  c10::intrusive_ptr<c10::ivalue::Future> stamp_completion(const c10::intrusive_ptr<c10::ivalue::Future>& comm) const;
+  c10d::GradBucket grad_bucket(size_t bucket_index, const at::Tensor& buffer) const;
   bool static_graph_first_iteration() const { return options_.static_graph && num_iterations_ == 0; }
   bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
 
@@ -300,7 +296,8 @@ class Reducer {
   std::vector<at::Tensor> params_;
   std::vector<std::string> param_names_;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
-  std::shared_ptr<ShmAllreduce> shm_;  // chunk all-reduces go here when set: [Note: which transport]
+  std::shared_ptr<transport::Transport> transport_;  // carries every chunk: [Note: which transport]
+  bool transport_replaced_ = false;  // set_comm_hook ran (once only)
   ReducerOptions options_;
   double average_scale_;  // 1 / world size; see [Note: averaging]
   std::vector<AccumulatorPtr> grad_accumulators_;  // kept alive: hooks live on them
@@ -335,9 +332,6 @@ class Reducer {
   // more than once) and counted down every iteration after.
   std::vector<int64_t> hook_calls_expected_;
   std::vector<int64_t> hook_calls_left_;
-
-  // Comm hook (Python), or null for the built-in all-reduce.
-  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
 
   // Zero tensors standing in for gradients of parameters unused this iteration.
   std::vector<at::Tensor> zeros_;

@@ -250,7 +250,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             static_graph=self.static_graph,
             record_timing=self._record_timing,
             chunk_bytes=self._chunk_bytes,
-            shm=self._shm,
+            transport=self._shm,  # None: the process group's
         )
 
     # --- pickling and deepcopy ------------------------------------------------

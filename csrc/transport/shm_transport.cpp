@@ -1,5 +1,5 @@
-// All-reduce through shared memory: see shm_allreduce.h and its note.
-#include "shm/shm_allreduce.h"
+// Collectives through shared memory: see shm_transport.h and its note.
+#include "transport/shm_transport.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <stdexcept>
@@ -32,7 +33,7 @@ namespace pydist {
 namespace {
 
 constexpr uint64_t kMagic = 0x70796469'73747368ULL;  // "pydistsh"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr size_t kHeaderBytes = 4096;
 // Checks of a counter before going to sleep on it: a peer that is running
 // usually arrives within this, and sleeping costs two syscalls and a wakeup.
@@ -50,6 +51,8 @@ struct ShmHeader {
   uint32_t world_size;
   uint64_t region_bytes; // size of one staging region
   uint32_t aborted;      // 0, or 1 + the rank that failed first
+  uint32_t aborted_kind; // the transport::Collective it failed
+  uint32_t attached;     // ranks that have mapped it; see [Note: the segment's name lives only while ranks attach]
 };
 
 // One per rank, after the header; counters on cache lines of their own,
@@ -75,6 +78,25 @@ uint64_t pid_namespace() {
 uint32_t load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 void store(uint32_t* word, uint32_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); }
 bool reached(uint32_t counter, uint32_t piece) { return static_cast<int32_t>(counter - piece) >= 0; }
+
+// Whether process `pid` (of this pid namespace) has exited: it no longer
+// exists, or is a zombie waiting to be reaped (or being reaped), which
+// kill(pid, 0) alone reports as alive.
+bool process_gone(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  FILE* file = std::fopen(path, "r");
+  if (file == nullptr) return errno == ENOENT;
+  char line[512];
+  const size_t got = std::fread(line, 1, sizeof(line) - 1, file);
+  std::fclose(file);
+  line[got] = '\0';
+  // "pid (comm) S ...": the state follows the last ')' (comm may hold one).
+  const char* paren = std::strrchr(line, ')');
+  if (paren == nullptr || paren[1] != ' ') return false;
+  return paren[2] == 'Z' || paren[2] == 'X' || paren[2] == 'x';
+}
 
 void futex_wake_all(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
 void futex_sleep(uint32_t* word, uint32_t seen) {
@@ -115,17 +137,31 @@ void reduce_two(T* __restrict mine, const T* __restrict peer, T* __restrict out,
   for (int64_t i = 0; i < n; ++i) out[i] = mine[i] = add(scaled(mine[i], s), peer[i]);
 }
 
+// Two ranks, reduce-scatter: out = mine*s + peer, leaving `mine` as it is.
+template <typename T>
+void sum_two(T* __restrict out, const T* __restrict mine, const T* __restrict peer, int64_t n, acc_t<T> s) {
+  for (int64_t i = 0; i < n; ++i) out[i] = add(scaled(mine[i], s), peer[i]);
+}
+
 // Any number of ranks: every term is staged (scaled); sum in rank order.
 template <typename T>
-void reduce_in_rank_order(T* __restrict mine, const T* const* terms, int64_t num_terms, T* __restrict out, int64_t n) {
+void sum_in_rank_order(T* __restrict out, const T* const* terms, int64_t num_terms, int64_t n) {
   const T* __restrict first = terms[0];
   const T* __restrict second = terms[1];
-  for (int64_t i = 0; i < n; ++i) mine[i] = add(first[i], second[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = add(first[i], second[i]);
   for (int64_t q = 2; q < num_terms; ++q) {
     const T* __restrict term = terms[q];
-    for (int64_t i = 0; i < n; ++i) mine[i] = add(mine[i], term[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = add(out[i], term[i]);
   }
-  std::memcpy(out, mine, static_cast<size_t>(n) * sizeof(T));
+}
+
+const char* article_name(transport::Collective kind) {
+  switch (kind) {
+    case transport::Collective::kAllReduce: return "an all-reduce";
+    case transport::Collective::kReduceScatter: return "a reduce-scatter";
+    case transport::Collective::kAllGather: return "an all-gather";
+  }
+  return "a collective";
 }
 
 }  // namespace
@@ -152,14 +188,19 @@ struct ShmSegment {
 
 // --- setting up and tearing down ------------------------------------------
 
-ShmAllreduce::ShmAllreduce(std::string name, int64_t rank, int64_t world_size, bool create,
+ShmTransport::ShmTransport(std::string name, int64_t rank, int64_t world_size, bool create,
                            std::chrono::milliseconds timeout)
-    : name_(std::move(name)), rank_(rank), world_size_(world_size), timeout_(timeout) {
-  TORCH_CHECK(world_size_ >= 1 && rank_ >= 0 && rank_ < world_size_, "ShmAllreduce: rank ", rank_,
+    : name_(std::move(name)),
+      rank_(rank),
+      owner_pid_(getpid()),
+      create_(create),
+      world_size_(world_size),
+      timeout_(timeout) {
+  TORCH_CHECK(world_size_ >= 1 && rank_ >= 0 && rank_ < world_size_, "ShmTransport: rank ", rank_,
               " is not in a group of ", world_size_);
   const size_t bytes = ShmSegment::total_bytes(world_size_);
   const int fd = create ? shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600) : shm_open(name_.c_str(), O_RDWR, 0);
-  TORCH_CHECK(fd >= 0, "ShmAllreduce: rank ", rank_, " could not ", create ? "create" : "open",
+  TORCH_CHECK(fd >= 0, "ShmTransport: rank ", rank_, " could not ", create ? "create" : "open",
               " the shared-memory object ", name_, ": ", std::strerror(errno));
   if (create) {
     // Reserve the pages now: a /dev/shm too small fails here, not later
@@ -168,19 +209,20 @@ ShmAllreduce::ShmAllreduce(std::string name, int64_t rank, int64_t world_size, b
     if (err != 0) {
       close(fd);
       shm_unlink(name_.c_str());
-      TORCH_CHECK(false, "ShmAllreduce: could not reserve ", bytes, " bytes of shared memory for ", name_, ": ",
+      TORCH_CHECK(false, "ShmTransport: could not reserve ", bytes, " bytes of shared memory for ", name_, ": ",
                   std::strerror(err), " (is /dev/shm full or too small?)");
     }
   } else {
     struct stat st {};
     const bool sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
     if (!sized) close(fd);
-    TORCH_CHECK(sized, "ShmAllreduce: the shared-memory object ", name_, " has ", st.st_size, " bytes, rank ", rank_,
+    TORCH_CHECK(sized, "ShmTransport: the shared-memory object ", name_, " has ", st.st_size, " bytes, rank ", rank_,
                 " expected ", bytes, " bytes for ", world_size_, " ranks");
   }
   base_ = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
-  TORCH_CHECK(base_ != MAP_FAILED, "ShmAllreduce: rank ", rank_, " could not map ", name_, ": ", std::strerror(errno));
+  if (base_ == MAP_FAILED && create) shm_unlink(name_.c_str());
+  TORCH_CHECK(base_ != MAP_FAILED, "ShmTransport: rank ", rank_, " could not map ", name_, ": ", std::strerror(errno));
   mapped_bytes_ = bytes;
 
   segment_ = std::make_unique<ShmSegment>();
@@ -194,64 +236,118 @@ ShmAllreduce::ShmAllreduce(std::string name, int64_t rank, int64_t world_size, b
     header.version = kLayoutVersion;
     header.world_size = static_cast<uint32_t>(world_size_);
     header.region_bytes = segment->region_bytes;
+    header.attached = 0;
     __atomic_store_n(&header.magic, kMagic, __ATOMIC_RELEASE);
   } else {
     const bool same = __atomic_load_n(&header.magic, __ATOMIC_ACQUIRE) == kMagic && header.version == kLayoutVersion &&
                       header.world_size == world_size_ && header.region_bytes == segment->region_bytes;
     if (!same) munmap(base_, mapped_bytes_);  // the destructor does not run for a constructor that throws
-    TORCH_CHECK(same, "ShmAllreduce: ", name_, " does not hold the layout rank ", rank_,
+    TORCH_CHECK(same, "ShmTransport: ", name_, " does not hold the layout rank ", rank_,
                 " expects (another pydist version, or another group?)");
   }
   ShmRankBlock& me = segment->ranks[rank_];
   me.pid = static_cast<int32_t>(getpid());
   me.pid_ns = pid_namespace();
   store(&me.state, kAttached);
-  worker_ = std::thread([this] { work_loop(); });
+  queue_->thread = std::thread([this] { work_loop(); });
+  // The last rank to map needs the name no more than anyone after it.
+  if (__atomic_add_fetch(&header.attached, 1, __ATOMIC_ACQ_REL) == static_cast<uint32_t>(world_size_)) unlink();
 }
 
-ShmAllreduce::~ShmAllreduce() {
+ShmTransport::~ShmTransport() {
+  if (getpid() != owner_pid_) {
+    // A forked child: the worker is not ours and the segment's state is the
+    // parent's. See [Note: forked children].
+    // Its copy of the queue (a condition variable the parent's worker was
+    // waiting on, a mutex perhaps held at the fork) cannot be destroyed
+    // here without waiting for that thread: it is left to the exit.
+    (void)queue_.release();
+    munmap(base_, mapped_bytes_);
+    return;
+  }
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(queue_->mutex);
     stopping_ = true;
   }
-  wake_worker_.notify_all();
-  worker_.join();  // it empties the queue first: those jobs fail fast
+  queue_->wake.notify_all();
+  queue_->thread.join();  // it empties the queue first: those jobs fail fast
   store(&segment_->ranks[rank_].state, kDetached);
   for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(rank_, phase));
   munmap(base_, mapped_bytes_);
+  if (create_) unlink();  // set-up ended before anyone did; harmless if done
 }
 
-void ShmAllreduce::unlink() { shm_unlink(name_.c_str()); }
+void ShmTransport::unlink() {
+  if (!unlinked_.exchange(true)) shm_unlink(name_.c_str());
+}
 
-bool ShmAllreduce::supports(at::ScalarType dtype) {
+void ShmTransport::check_owner(const char* what) const {
+  TORCH_CHECK(getpid() == owner_pid_, "ShmTransport.", what, ": this end of ", name_, " belongs to process ",
+              owner_pid_, "; process ", getpid(), " was forked from it and cannot use it (make its own ",
+              "process group and DistributedDataParallel instead)");
+}
+
+bool ShmTransport::supports(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
 
 // --- the queue -----------------------------------------------------------
 
-c10::intrusive_ptr<c10::ivalue::Future> ShmAllreduce::allreduce(at::Tensor tensor, double scale) {
-  TORCH_CHECK(tensor.is_cpu() && tensor.is_contiguous() && supports(tensor.scalar_type()),
-              "ShmAllreduce.allreduce: needs a contiguous CPU tensor of float32, float64, bfloat16 or float16, got ",
-              tensor.scalar_type(), " on ", tensor.device(), tensor.is_contiguous() ? "" : " (not contiguous)");
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!stopping_, "ShmAllreduce.allreduce: the transport is shutting down");
-    queue_.push_back(Job{std::move(tensor), scale, future});
-  }
-  wake_worker_.notify_one();
-  return future;
+namespace {
+void check_carriable(const char* what, const char* role, const at::Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cpu() && t.is_contiguous() && ShmTransport::supports(t.scalar_type()),
+              "ShmTransport.", what, ": needs a contiguous CPU tensor of float32, float64, bfloat16 or float16, got ",
+              role, " ", t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(t.scalar_type() == dtype, "ShmTransport.", what, ": ", role, " is ", t.scalar_type(), ", the input ",
+              dtype);
+}
+}  // namespace
+
+transport::Future ShmTransport::all_reduce(at::Tensor piece, double scale) {
+  check_carriable("all_reduce", "piece", piece, piece.scalar_type());
+  return enqueue(Job{transport::Collective::kAllReduce, std::move(piece), at::Tensor(), scale, nullptr});
 }
 
-void ShmAllreduce::work_loop() {
+transport::Future ShmTransport::reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) {
+  check_carriable("reduce_scatter", "input", input, input.scalar_type());
+  check_carriable("reduce_scatter", "output_shard", output_shard, input.scalar_type());
+  TORCH_CHECK(input.numel() == output_shard.numel() * world_size_, "ShmTransport.reduce_scatter: input has ",
+              input.numel(), " elements, world_size (", world_size_, ") x output_shard (", output_shard.numel(),
+              ") expected");
+  return enqueue(Job{transport::Collective::kReduceScatter, std::move(input), std::move(output_shard), scale, nullptr});
+}
+
+transport::Future ShmTransport::all_gather(at::Tensor shard, at::Tensor output) {
+  check_carriable("all_gather", "shard", shard, shard.scalar_type());
+  check_carriable("all_gather", "output", output, shard.scalar_type());
+  TORCH_CHECK(output.numel() == shard.numel() * world_size_, "ShmTransport.all_gather: output has ", output.numel(),
+              " elements, world_size (", world_size_, ") x shard (", shard.numel(), ") expected");
+  return enqueue(Job{transport::Collective::kAllGather, std::move(shard), std::move(output), 1.0, nullptr});
+}
+
+transport::Future ShmTransport::enqueue(Job job) {
+  check_owner(transport::collective_name(job.kind));
+  job.future = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+  auto future = job.future;
+  {
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    TORCH_CHECK(!stopping_, "ShmTransport.", transport::collective_name(job.kind),
+                ": the transport is shutting down");
+    queue_->jobs.push_back(std::move(job));
+  }
+  queue_->wake.notify_one();
+  return transport::Future(std::move(future));
+}
+
+void ShmTransport::work_loop() {
   while (true) {
     Job job;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_worker_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      job = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lock(queue_->mutex);
+      queue_->wake.wait(lock, [this] { return stopping_ || !queue_->jobs.empty(); });
+      if (queue_->jobs.empty()) return;  // stopping, nothing left
+      job = std::move(queue_->jobs.front());
+      queue_->jobs.pop_front();
     }
     std::exception_ptr error;
     try {
@@ -266,8 +362,10 @@ void ShmAllreduce::work_loop() {
         const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
         broken_why_ = c10_error ? c10_error->what_without_backtrace() : e.what();
         uint32_t none = 0;
-        __atomic_compare_exchange_n(&segment_->header->aborted, &none, static_cast<uint32_t>(rank_ + 1), false,
-                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        if (__atomic_compare_exchange_n(&segment_->header->aborted, &none, static_cast<uint32_t>(rank_ + 1), false,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+          store(&segment_->header->aborted_kind, static_cast<uint32_t>(job.kind));
+        }
         for (int64_t q = 0; q < world_size_; ++q) {
           for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(q, phase));
         }
@@ -276,42 +374,55 @@ void ShmAllreduce::work_loop() {
     // Let go of the tensor before waking the caller: dropping a reference to
     // a tensor Python also holds may need the GIL, which the caller has
     // released only while it waits.
-    job.tensor.reset();
+    job.input.reset();
+    job.output.reset();
     if (error) {
       job.future->setError(error);
     } else {
-      job.future->markCompleted(c10::IValue());
+      job.future->markCompleted(c10::IValue(completion_time()));
     }
   }
 }
 
-void ShmAllreduce::run_job(const Job& job) {
-  const at::Tensor& t = job.tensor;
+void ShmTransport::run_job(const Job& job) {
+  running_ = job.kind;
+  auto run = [&](auto* input, auto scale) {
+    using T = std::remove_pointer_t<decltype(input)>;
+    switch (job.kind) {
+      case transport::Collective::kAllReduce:
+        return run_pieces(input, job.input.numel(), scale);
+      case transport::Collective::kReduceScatter:
+        return run_reduce_scatter<T>(input, job.output.data_ptr<T>(), job.output.numel(), scale);
+      case transport::Collective::kAllGather:
+        return run_all_gather<T>(input, job.output.data_ptr<T>(), job.input.numel());
+    }
+  };
+  const at::Tensor& t = job.input;
   switch (t.scalar_type()) {
     case at::kFloat:
-      return run_pieces(t.data_ptr<float>(), t.numel(), static_cast<float>(job.scale));
+      return run(t.data_ptr<float>(), static_cast<float>(job.scale));
     case at::kDouble:
-      return run_pieces(t.data_ptr<double>(), t.numel(), job.scale);
+      return run(t.data_ptr<double>(), job.scale);
     case at::kBFloat16:
-      return run_pieces(t.data_ptr<c10::BFloat16>(), t.numel(), static_cast<float>(job.scale));
+      return run(t.data_ptr<c10::BFloat16>(), static_cast<float>(job.scale));
     case at::kHalf:
-      return run_pieces(t.data_ptr<c10::Half>(), t.numel(), static_cast<float>(job.scale));
+      return run(t.data_ptr<c10::Half>(), static_cast<float>(job.scale));
     default:
-      TORCH_CHECK(false, "ShmAllreduce: unsupported dtype ", t.scalar_type());
+      TORCH_CHECK(false, "ShmTransport: unsupported dtype ", t.scalar_type());
   }
 }
 
 // --- the protocol of [Note: shared-memory all-reduce] ---------------------
 
 template <typename T>
-T* ShmAllreduce::region(int64_t owner, uint32_t set, int64_t region) const {
+T* ShmTransport::region(int64_t owner, uint32_t set, int64_t region) const {
   const auto n = static_cast<size_t>(world_size_);
   const size_t index = (static_cast<size_t>(owner) * 2 + set) * n + static_cast<size_t>(region);
   return reinterpret_cast<T*>(segment_->data + index * segment_->region_bytes);
 }
 
 template <typename T, typename Scale>
-void ShmAllreduce::run_pieces(T* data, int64_t numel, Scale scale) {
+void ShmTransport::run_pieces(T* data, int64_t numel, Scale scale) {
   static_assert(std::is_same_v<Scale, acc_t<T>>, "the scale is applied in the accumulate type");
   const int64_t n = world_size_;
   const int64_t r = rank_;
@@ -347,10 +458,10 @@ void ShmAllreduce::run_pieces(T* data, int64_t numel, Scale scale) {
       reduce_two(mine, region<T>(1 - r, set, r), region<T>(r, set, r), count(r), scale);
     } else {
       for (int64_t q = 0; q < n; ++q) terms[q] = region<T>(q, set, r);
-      reduce_in_rank_order(mine, terms.data(), n, region<T>(r, set, r), count(r));
+      sum_in_rank_order(mine, terms.data(), n, count(r));
+      std::memcpy(region<T>(r, set, r), mine, static_cast<size_t>(count(r)) * sizeof(T));
     }
-    publish(Phase::kReduced, piece);
-    wait_for_peers(Phase::kReduced, piece);
+    finish_step(piece);
 
     // collect: every peer's reduced slice.
     for (int64_t q = 0; q < n; ++q) {
@@ -359,18 +470,77 @@ void ShmAllreduce::run_pieces(T* data, int64_t numel, Scale scale) {
   }
 }
 
-uint32_t* ShmAllreduce::counter(int64_t rank, Phase phase) const {
+template <typename T, typename Scale>
+void ShmTransport::run_reduce_scatter(const T* input, T* output, int64_t shard, Scale scale) {
+  static_assert(std::is_same_v<Scale, acc_t<T>>, "the scale is applied in the accumulate type");
+  const int64_t n = world_size_;
+  const int64_t r = rank_;
+  if (n == 1) {
+    copy_scaled(output, input, shard, scale);
+    return;
+  }
+  const int64_t step = std::max<int64_t>(16, static_cast<int64_t>(segment_->region_bytes / sizeof(T)) / 16 * 16);
+  std::vector<const T*> terms(static_cast<size_t>(n));
+  for (int64_t offset = 0; offset < shard; offset += step) {
+    const int64_t len = std::min(step, shard - offset);
+    const uint32_t piece = ++pieces_done_;
+    const uint32_t set = piece & 1;
+    // stage: this step of every shard but the own (all of them beyond two ranks)
+    for (int64_t q = 0; q < n; ++q) {
+      if (q != r || n > 2) copy_scaled(region<T>(r, set, q), input + q * shard + offset, len, scale);
+    }
+    publish(Phase::kStaged, piece);
+    wait_for_peers(Phase::kStaged, piece);
+    // reduce: the own shard's step, into the output
+    if (n == 2) {
+      sum_two(output + offset, input + r * shard + offset, region<T>(1 - r, set, r), len, scale);
+    } else {
+      for (int64_t q = 0; q < n; ++q) terms[q] = region<T>(q, set, r);
+      sum_in_rank_order(output + offset, terms.data(), n, len);
+    }
+    finish_step(piece);
+  }
+}
+
+template <typename T>
+void ShmTransport::run_all_gather(const T* shard, T* output, int64_t numel) {
+  const int64_t n = world_size_;
+  const int64_t r = rank_;
+  std::memcpy(output + r * numel, shard, static_cast<size_t>(numel) * sizeof(T));
+  if (n == 1) return;
+  const int64_t step = std::max<int64_t>(16, static_cast<int64_t>(segment_->region_bytes / sizeof(T)) / 16 * 16);
+  for (int64_t offset = 0; offset < numel; offset += step) {
+    const int64_t len = std::min(step, numel - offset);
+    const size_t bytes = static_cast<size_t>(len) * sizeof(T);
+    const uint32_t piece = ++pieces_done_;
+    const uint32_t set = piece & 1;
+    std::memcpy(region<T>(r, set, r), shard + offset, bytes);
+    publish(Phase::kStaged, piece);
+    wait_for_peers(Phase::kStaged, piece);
+    for (int64_t q = 0; q < n; ++q) {
+      if (q != r) std::memcpy(output + q * numel + offset, region<T>(q, set, q), bytes);
+    }
+    finish_step(piece);
+  }
+}
+
+void ShmTransport::finish_step(uint32_t piece) {
+  publish(Phase::kReduced, piece);
+  wait_for_peers(Phase::kReduced, piece);
+}
+
+uint32_t* ShmTransport::counter(int64_t rank, Phase phase) const {
   ShmRankBlock& block = segment_->ranks[rank];
   return phase == Phase::kStaged ? &block.staged : &block.reduced;
 }
 
-void ShmAllreduce::publish(Phase phase, uint32_t piece) {
+void ShmTransport::publish(Phase phase, uint32_t piece) {
   uint32_t* word = counter(rank_, phase);
   store(word, piece);
   futex_wake_all(word);
 }
 
-void ShmAllreduce::wait_for_peers(Phase phase, uint32_t piece) {
+void ShmTransport::wait_for_peers(Phase phase, uint32_t piece) {
   for (int64_t q = 0; q < world_size_; ++q) {
     if (q == rank_) continue;
     uint32_t* word = counter(q, phase);
@@ -391,19 +561,20 @@ void ShmAllreduce::wait_for_peers(Phase phase, uint32_t piece) {
   }
 }
 
-void ShmAllreduce::check_peer(int64_t peer, Phase phase, uint32_t piece,
+void ShmTransport::check_peer(int64_t peer, Phase phase, uint32_t piece,
                               std::chrono::steady_clock::time_point deadline) const {
   const char* step = phase == Phase::kStaged ? "stage" : "reduce";
-  const std::string where = c10::str("shared-memory all-reduce (", name_, "): rank ", rank_, " waited for rank ",
-                                     peer, " to ", step, " piece ", piece, ", but ");
+  const std::string where = c10::str("shared-memory ", transport::collective_name(running_), " (", name_, "): rank ",
+                                     rank_, " waited for rank ", peer, " to ", step, " piece ", piece, ", but ");
   const uint32_t aborted = load(&segment_->header->aborted);
-  TORCH_CHECK(aborted == 0, where, "rank ", aborted - 1, " failed an all-reduce and aborted the transport");
+  TORCH_CHECK(aborted == 0, where, "rank ", aborted - 1, " failed ",
+              article_name(static_cast<transport::Collective>(load(&segment_->header->aborted_kind))),
+              " and aborted the transport");
   const ShmRankBlock& block = segment_->ranks[peer];
   TORCH_CHECK(load(&block.state) != kDetached, where, "rank ", peer,
               " has shut its end down (its DistributedDataParallel was destroyed, or its process is exiting)");
   if (block.pid_ns != 0 && block.pid_ns == segment_->ranks[rank_].pid_ns) {
-    const bool gone = kill(block.pid, 0) != 0 && errno == ESRCH;
-    TORCH_CHECK(!gone, where, "its process (pid ", block.pid, ") has exited");
+    TORCH_CHECK(!process_gone(block.pid), where, "its process (pid ", block.pid, ") has exited");
   }
   TORCH_CHECK(!stopping_, where, "this rank is shutting its transport down");
   TORCH_CHECK(std::chrono::steady_clock::now() < deadline, where, "rank ", peer, " did not arrive within the timeout of ",

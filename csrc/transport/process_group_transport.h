@@ -1,0 +1,37 @@
+// A torch ProcessGroup (gloo, NCCL, the mpi4py backend) as a Transport.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "transport/transport.h"
+
+namespace pydist {
+namespace transport {
+
+class ProcessGroupTransport : public Transport {
+ public:
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+
+  // The group's allreduce / _reduce_scatter_base / _allgather_base. A scale
+  // other than 1 is applied before the collective (in place for all_reduce,
+  // into a temporary for reduce_scatter): see applies_scale(). wait() waits
+  // on the group's Work, so the group's timeout bounds it. A collective whose
+  // Work has no future (gloo's reduce-scatter) completes when waited on, and
+  // is stamped then.
+  Future all_reduce(at::Tensor piece, double scale) override;
+  Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) override;
+  Future all_gather(at::Tensor shard, at::Tensor output) override;
+
+  int64_t rank() const override { return process_group_->getRank(); }
+  int64_t world_size() const override { return process_group_->getSize(); }
+  std::string name() const override { return process_group_->getBackendName(); }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
+
+ private:
+  Future track(c10::intrusive_ptr<c10d::Work> work) const;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+};
+
+}  // namespace transport
+}  // namespace pydist

@@ -1,0 +1,211 @@
+// Collectives through shared memory, for groups whose ranks all live on one
+// host: the transport DDP uses on CPU instead of the process group, where
+// every rank can map the same segment (pydist/ddp/shm_transport.py decides).
+//
+// [Note: shared-memory all-reduce]
+// Gloo moves CPU tensors between processes on one host through loopback TCP:
+// every byte is copied into the kernel by the sender and out of it by the
+// receiver, and most of a gloo all-reduce's CPU time is that kernel work
+// (benchmarks/RESULTS.md). Here the ranks map one segment and copy through
+// it directly. A tensor is processed in pieces of kPieceBytes; each piece is
+// split into n slices, slice q reduced by rank q. Per piece k, rank r:
+//
+//   stage(k)    copies each slice q != r of its tensor, times `scale`, into
+//               region q of its own staging set (k & 1), then raises
+//               staged[r] to k;
+//   reduce(k)   once every peer's staged >= k, sums its own slice in rank
+//               order, x_0*s + x_1*s + ... (its own term from its tensor,
+//               the others from their staging), writes the sum into its
+//               tensor and publishes it into region r of its set, then
+//               raises reduced[r] to k;
+//   collect(k)  once every peer's reduced >= k, copies each peer q's
+//               published slice into slice q of its tensor.
+//
+// Reduce-scatter and all-gather over contiguous per-rank shards are the two
+// halves of this. reduce_scatter: the slices are the shards (a step covers
+// one region's worth of each), stage and reduce as above with the sum going
+// into the output shard; then reduced[r] is raised and awaited with nothing
+// to collect. all_gather: each rank publishes its shard's step into region r
+// and raises staged[r]; once all have, it collects every peer's region and
+// raises reduced[r]. Every step of every collective ends with every peer's
+// reduced >= k, so the reuse argument below holds across a mix of them.
+//
+// Each element is reduced by one rank and copied to the others, so every
+// rank ends with the same bits. The scale is applied to each term before the
+// sum, as torch's DDP pre-divides gradients, so for two ranks the result is
+// bitwise torch's (a two-term sum is the same in any order); with more ranks
+// the order differs from gloo's ring at rounding level.
+//
+// Two staging sets, used in turn, are enough: rank r writes set k & 1 again
+// at piece k + 2, and before that it has seen every peer's reduced(k + 1)
+// (so their reads of its staging for k are done) and staged(k + 2) (so their
+// collect(k) of its published slice is done).
+//
+// Waiting spins briefly, then sleeps on a futex in the segment. A wait gives
+// up with an error naming the peer after the group's timeout, at once when
+// that peer's process has exited (a zombie counts as exited: kill(pid, 0)
+// succeeds on one, so its state in /proc is read too), when it has dropped
+// its end of the transport, or when it hit an error itself (it marks the
+// segment aborted).
+//
+// [Note: the segment's name lives only while ranks attach]
+// A named segment outlives every process that maps it until someone unlinks
+// the name, so the name must go on every path, including a rank killed
+// between rank 0 creating the segment and the last rank mapping it:
+//   - each rank counts itself into the header as it maps; the one that
+//     brings the count to world_size unlinks the name (so a rank 0 killed
+//     right after creating leaves nothing once the others have mapped);
+//   - rank 0 unlinks it when the set-up fails or is interrupted (Python's
+//     `finally` in pydist/ddp/shm_transport.py), and its end unlinks it on
+//     destruction if that has not happened;
+//   - what no rank survives to unlink (rank 0 killed and a peer killed
+//     before mapping) is swept by the next set-up on the host: names carry
+//     the creator's pid namespace and pid, and a name whose creator has
+//     exited in this namespace is removed (shm_transport.sweep_stale_segments).
+//
+// [Note: forked children]
+// A process forked from a rank (a DataLoader worker, a subprocess launched
+// with fork) inherits a copy of the transport object but not its worker
+// thread, and perhaps a copy of its mutex taken mid-operation. Such a child
+// owns nothing: its copy refuses work, and its destructor neither joins the
+// thread nor touches the segment's shared state (the parent rank is still
+// attached); it only drops its own mapping.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <sys/types.h>
+
+#include "transport/transport.h"
+
+namespace pydist {
+
+// Bytes of a tensor reduced per step of the protocol: small enough that a
+// piece and the peers' staging stay in the caches between the three passes.
+constexpr int64_t kShmPieceBytes = int64_t{1} << 20;
+
+struct ShmSegment;  // the mapped layout; shm_transport.cpp
+
+class ShmTransport : public transport::Transport {
+ public:
+  // Maps the POSIX shared-memory object `name` for group rank `rank` of
+  // `world_size`. Rank 0 passes create=true and creates it (it must not
+  // exist); the others open it once rank 0 has (the Python side orders this:
+  // pydist/ddp/shm_transport.py). Starts this rank's worker thread. Waits
+  // give up after `timeout`. Raises if the object cannot be created, opened
+  // or mapped, or holds another layout.
+  ShmTransport(std::string name, int64_t rank, int64_t world_size, bool create, std::chrono::milliseconds timeout);
+
+  // Marks this rank as gone (a peer still waiting on it fails at once),
+  // fails work not yet started, joins the worker and unmaps; rank 0
+  // unlinks the name if nobody has. In a forked child only unmaps: see
+  // [Note: forked children].
+  ~ShmTransport() override;
+
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  // Removes the name from the file system; the memory lives on until the
+  // last rank unmaps it. Rank 0 calls it once every rank has mapped, or when
+  // the set-up fails; the last rank to map calls it itself. Idempotent.
+  // See [Note: the segment's name lives only while ranks attach].
+  void unlink();
+
+  // Queue the collective of [Note: transports] (csrc/transport/transport.h):
+  // the worker runs jobs in order, completes the future once the output
+  // holds the result (or sets it to the error), and lets go of the tensors
+  // before that. Every rank must queue the same sequence of calls with the
+  // same numels and dtypes. Require contiguous CPU tensors of one dtype that
+  // supports() accepts, and the process that made this end (see [Note:
+  // forked children]). The scale is applied in the copies: applies_scale().
+  transport::Future all_reduce(at::Tensor piece, double scale) override;
+  transport::Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) override;
+  transport::Future all_gather(at::Tensor shard, at::Tensor output) override;
+  bool applies_scale() const override { return true; }
+  std::string name() const override { return "shm"; }
+
+  // Whether the collectives take this dtype (float32, float64, bfloat16, float16).
+  static bool supports(at::ScalarType dtype);
+
+  int64_t rank() const override { return rank_; }
+  int64_t world_size() const override { return world_size_; }
+  const std::string& segment_name() const { return name_; }
+
+ private:
+  struct Job {
+    transport::Collective kind = transport::Collective::kAllReduce;
+    at::Tensor input;   // the piece (all-reduce, in place), the input, or the shard
+    at::Tensor output;  // the output shard (reduce-scatter) or output (all-gather)
+    double scale = 1.0;
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+  };
+  transport::Future enqueue(Job job);
+
+  // --- the worker thread: one job at a time, in queue order ---
+  void work_loop();
+  void run_job(const Job& job);
+  template <typename T, typename Scale>
+  void run_pieces(T* data, int64_t numel, Scale scale);
+  template <typename T, typename Scale>
+  void run_reduce_scatter(const T* input, T* output, int64_t shard, Scale scale);
+  template <typename T>
+  void run_all_gather(const T* shard, T* output, int64_t numel);
+  // Ends a step: raises reduced and waits for the peers' (see the note).
+  void finish_step(uint32_t piece);
+
+  // --- synchronization through the segment ---
+  // The two counters each rank raises once per piece (see the note).
+  enum class Phase { kStaged, kReduced };
+  uint32_t* counter(int64_t rank, Phase phase) const;
+  // Raises this rank's counter to `piece` and wakes peers sleeping on it.
+  void publish(Phase phase, uint32_t piece);
+  // Returns once every peer's counter has reached `piece`; throws naming the
+  // peer when one cannot get there (see the note).
+  void wait_for_peers(Phase phase, uint32_t piece);
+  void check_peer(int64_t peer, Phase phase, uint32_t piece, std::chrono::steady_clock::time_point deadline) const;
+  transport::Collective running_ = transport::Collective::kAllReduce;  // the worker's job, for errors
+  // Where rank `owner` keeps region `region` of staging set `set`.
+  template <typename T>
+  T* region(int64_t owner, uint32_t set, int64_t region) const;
+
+  // Throws unless called by the process that constructed this end.
+  void check_owner(const char* what) const;
+
+  std::string name_;
+  int64_t rank_;
+  pid_t owner_pid_;  // the process that made this end; [Note: forked children]
+  bool create_;      // this end created the segment (rank 0)
+  std::atomic<bool> unlinked_{false};  // unlink() ran here
+  int64_t world_size_;
+  std::chrono::milliseconds timeout_;
+  void* base_ = nullptr;  // the mapping, of mapped_bytes_
+  size_t mapped_bytes_ = 0;
+  std::unique_ptr<ShmSegment> segment_;  // views of base_
+  uint32_t pieces_done_ = 0;  // pieces this rank has run; the k of the protocol
+
+  std::atomic<bool> stopping_{false};  // set by the destructor; waits give up
+  bool broken_ = false;     // a job failed: every later one fails too (peers are out of step)
+  std::string broken_why_;  // the first failure, repeated to later jobs
+  // Jobs from allreduce() to the worker thread, which it owns. On the heap
+  // so a forked child can leave its copy alone: [Note: forked children].
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Job> jobs;
+    std::thread thread;
+  };
+  std::unique_ptr<Queue> queue_ = std::make_unique<Queue>();
+};
+
+}  // namespace pydist

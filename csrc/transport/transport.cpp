@@ -1,0 +1,174 @@
+// The transport seam and the implementations that wrap torch's objects: see
+// transport.h and [Note: transports]. (The shared-memory transport, and each
+// wrapper, live in files of their own.)
+#include "transport/transport.h"
+
+#include "transport/comm_hook_transport.h"
+#include "transport/process_group_transport.h"
+
+#include <c10/util/Exception.h>
+
+#include <mutex>
+#include <sstream>
+
+namespace pydist {
+namespace transport {
+
+const char* collective_name(Collective kind) {
+  switch (kind) {
+    case Collective::kAllReduce: return "all-reduce";
+    case Collective::kReduceScatter: return "reduce-scatter";
+    case Collective::kAllGather: return "all-gather";
+  }
+  return "collective";
+}
+
+int64_t Future::wait() const {
+  TORCH_CHECK(done_, "transport Future: waited on a future that holds no collective");
+  if (bounded_wait_) bounded_wait_();
+  done_->waitAndThrow();
+  return done_->value().toInt();
+}
+
+namespace {
+
+// Completes with the time `parent` completed, or with its error.
+c10::intrusive_ptr<c10::ivalue::Future> stamped(const c10::intrusive_ptr<c10::ivalue::Future>& parent, bool stamp) {
+  return parent->then(
+      [stamp](c10::ivalue::Future& done) -> c10::IValue {
+        if (done.hasError()) std::rethrow_exception(done.exception_ptr());
+        return stamp ? steady_now_ns() : int64_t{-1};
+      },
+      c10::IntType::get());
+}
+
+}  // namespace
+
+// --- wrappers ---------------------------------------------------------------
+
+WrappingTransport::WrappingTransport(std::shared_ptr<Transport> inner) : inner_(std::move(inner)) {
+  TORCH_CHECK(inner_, "WrappingTransport: the transport to wrap is None");
+  Transport::set_stamp_completion(inner_->stamp_completion());
+}
+
+namespace {
+std::mutex& registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::map<std::string, WrapperFactory>& registry() {
+  static std::map<std::string, WrapperFactory> factories;
+  return factories;
+}
+}  // namespace
+
+bool register_wrapper(const std::string& name, WrapperFactory factory) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  TORCH_CHECK(registry().emplace(name, std::move(factory)).second, "register_wrapper: a transport wrapper named '",
+              name, "' is registered already");
+  return true;
+}
+
+std::vector<std::string> registered_wrappers() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<std::string> names;
+  for (const auto& entry : registry()) names.push_back(entry.first);
+  return names;
+}
+
+std::shared_ptr<Transport> wrap(const std::string& name, std::shared_ptr<Transport> inner,
+                                const WrapperOptions& options) {
+  WrapperFactory factory;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto found = registry().find(name);
+    if (found != registry().end()) factory = found->second;
+  }
+  if (!factory) {
+    std::ostringstream known;
+    for (const std::string& known_name : registered_wrappers()) known << " '" << known_name << "'";
+    TORCH_CHECK(false, "pydist.transport.wrap: no transport wrapper named '", name, "'; registered:", known.str());
+  }
+  TORCH_CHECK(inner, "pydist.transport.wrap('", name, "'): the transport to wrap is None");
+  return factory(std::move(inner), options);
+}
+
+// --- ProcessGroupTransport ---------------------------------------------------
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
+    : process_group_(std::move(process_group)) {
+  TORCH_CHECK(process_group_, "ProcessGroupTransport: process_group is None");
+}
+
+Future ProcessGroupTransport::track(c10::intrusive_ptr<c10d::Work> work) const {
+  c10::intrusive_ptr<c10::ivalue::Future> inner;
+  try {
+    inner = work->getFuture();
+  } catch (const c10::Error&) {
+    // Some collectives have no future (gloo's reduce-scatter): the handle
+    // then completes when it is waited on, stamped with that time.
+  }
+  if (inner) return Future(stamped(inner, stamp_completion()), [work] { work->wait(); });
+  auto done = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+  auto once = std::make_shared<std::once_flag>();
+  const bool stamp = stamp_completion();
+  return Future(done, [work, done, once, stamp] {
+    work->wait();
+    std::call_once(*once, [&] { done->markCompleted(stamp ? steady_now_ns() : int64_t{-1}); });
+  });
+}
+
+Future ProcessGroupTransport::all_reduce(at::Tensor piece, double scale) {
+  if (scale != 1.0) piece.mul_(scale);
+  std::vector<at::Tensor> tensors{std::move(piece)};
+  return track(process_group_->allreduce(tensors));
+}
+
+Future ProcessGroupTransport::reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) {
+  TORCH_CHECK(input.numel() == output_shard.numel() * world_size(), "ProcessGroupTransport.reduce_scatter: input has ",
+              input.numel(), " elements, world_size (", world_size(), ") x output_shard (", output_shard.numel(),
+              ") expected");
+  at::Tensor scaled = scale != 1.0 ? input * scale : input;
+  return track(process_group_->_reduce_scatter_base(output_shard, scaled));
+}
+
+Future ProcessGroupTransport::all_gather(at::Tensor shard, at::Tensor output) {
+  TORCH_CHECK(output.numel() == shard.numel() * world_size(), "ProcessGroupTransport.all_gather: output has ",
+              output.numel(), " elements, world_size (", world_size(), ") x shard (", shard.numel(), ") expected");
+  return track(process_group_->_allgather_base(output, shard));
+}
+
+// --- CommHookTransport -------------------------------------------------------
+
+CommHookTransport::CommHookTransport(std::unique_ptr<c10d::CommHookInterface> hook, int64_t rank, int64_t world_size)
+    : hook_(std::move(hook)), rank_(rank), world_size_(world_size) {
+  TORCH_CHECK(hook_, "CommHookTransport: the hook is None");
+}
+
+Future CommHookTransport::all_reduce_bucket(at::Tensor /*piece*/, double /*scale*/, c10d::GradBucket& bucket) {
+  auto result = hook_->runHook(bucket);
+  auto done = stamped(result, stamp_completion());
+  return Future(std::move(done), {}, std::move(result));
+}
+
+at::Tensor CommHookTransport::result_of(const Future& future, const at::Tensor& piece) {
+  at::Tensor result = hook_->parseHookResult(future.inner()->value()).view(-1);
+  TORCH_CHECK(result.numel() == piece.numel(), "comm hook returned a tensor of ", result.numel(),
+              " elements for a bucket of ", piece.numel());
+  return result;
+}
+
+Future CommHookTransport::all_reduce(at::Tensor /*piece*/, double /*scale*/) {
+  TORCH_CHECK(false, "CommHookTransport: a comm hook all-reduces whole buckets (all_reduce_bucket)");
+}
+
+Future CommHookTransport::reduce_scatter(at::Tensor /*input*/, at::Tensor /*output_shard*/, double /*scale*/) {
+  TORCH_CHECK(false, "CommHookTransport: a DDP comm hook only all-reduces buckets, it cannot reduce-scatter");
+}
+
+Future CommHookTransport::all_gather(at::Tensor /*shard*/, at::Tensor /*output*/) {
+  TORCH_CHECK(false, "CommHookTransport: a DDP comm hook only all-reduces buckets, it cannot all-gather");
+}
+
+}  // namespace transport
+}  // namespace pydist

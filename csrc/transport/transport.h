@@ -1,0 +1,178 @@
+// The seam every collective pydist issues goes through.
+//
+// [Note: transports]
+// A Transport moves tensors between the ranks of one group. It offers the
+// three collectives data parallelism needs, each asynchronous:
+//
+//   all_reduce(piece, scale)                   piece := sum over ranks of piece × scale
+//   reduce_scatter(input, output_shard, scale) output_shard := sum over ranks of
+//                                              (shard `rank` of input) × scale,
+//                                              input being world_size contiguous shards
+//   all_gather(shard, output)                  output := every rank's shard, in rank order
+//
+// Each returns a transport::Future that completes with the time the
+// collective finished (see Future), so a caller keeps one handle per piece in
+// flight whatever carries it. Implementations:
+//
+//   ProcessGroupTransport  a torch ProcessGroup (gloo, NCCL, the mpi4py backend)
+//   ShmTransport           shared memory, ranks on one host (shm_transport.h)
+//   CommHookTransport      a user's DDP comm hook (comm_hook_transport.h)
+//
+// and wrappers that sit in front of any of them (WrappingTransport below;
+// one file each, registered by name: register_wrapper, e.g. the counting
+// wrapper in counting_transport.cpp). Every rank must issue the same
+// collectives in the same order with the same sizes, as with a process group.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pydist {
+namespace transport {
+
+enum class Collective { kAllReduce, kReduceScatter, kAllGather };
+const char* collective_name(Collective kind);
+
+// Nanoseconds on the steady clock (CLOCK_MONOTONIC on Linux), the clock
+// completion times are stamped on.
+inline int64_t steady_ns(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+inline int64_t steady_now_ns() { return steady_ns(std::chrono::steady_clock::now()); }
+
+// One collective in flight. `done` completes with an int: the steady-clock
+// time in ns at which the collective finished, as seen by the thread that
+// finished it, or -1 when the transport does not stamp times (see
+// Transport::set_stamp_completion); or it holds the collective's error.
+class Future {
+ public:
+  Future() = default;
+  // `bounded_wait`, if given, is a wait that gives up after the transport's
+  // own timeout (a process group's Work::wait); wait() runs it first.
+  // `inner`, if given, is the future of the work the transport wrapped (a
+  // comm hook's, holding its result tensor).
+  explicit Future(c10::intrusive_ptr<c10::ivalue::Future> done, std::function<void()> bounded_wait = {},
+                  c10::intrusive_ptr<c10::ivalue::Future> inner = {})
+      : done_(std::move(done)), bounded_wait_(std::move(bounded_wait)), inner_(std::move(inner)) {}
+
+  bool defined() const { return static_cast<bool>(done_); }
+  // Blocks until the collective is done; throws its error. Returns the
+  // completion time (or -1).
+  int64_t wait() const;
+  bool completed() const { return done_->completed(); }
+  const c10::intrusive_ptr<c10::ivalue::Future>& ivalue() const { return done_; }
+  const c10::intrusive_ptr<c10::ivalue::Future>& inner() const { return inner_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> done_;
+  std::function<void()> bounded_wait_;
+  c10::intrusive_ptr<c10::ivalue::Future> inner_;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // See [Note: transports]. `piece`, `input`, `output_shard`, `shard` and
+  // `output` must stay alive and untouched until the future completes.
+  virtual Future all_reduce(at::Tensor piece, double scale) = 0;
+  virtual Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) = 0;
+  virtual Future all_gather(at::Tensor shard, at::Tensor output) = 0;
+
+  // A transport that hands the whole bucket to user code (a comm hook) gets
+  // the bucket with the piece (the piece is then the whole bucket): the
+  // reducer does not chunk, leaves the averaging to the user code, and keeps
+  // no gradient resident in a bucket that code may hold on to. Others ignore
+  // `bucket`. The future's work may write its result into another tensor:
+  // result_of(future) returns it (default: the piece itself).
+  virtual bool owns_buckets() const { return false; }
+  virtual Future all_reduce_bucket(at::Tensor piece, double scale, c10d::GradBucket& /*bucket*/) {
+    return all_reduce(std::move(piece), scale);
+  }
+  virtual at::Tensor result_of(const Future& /*future*/, const at::Tensor& piece) { return piece; }
+
+  // Whether all_reduce applies `scale` itself as it moves the data (the
+  // shared-memory transport folds it into its copies). When false, the caller
+  // should fold the scale into its own copy in and pass 1 (a process group
+  // then sums exactly what it got); passing another scale still works, at
+  // the cost of one more pass over the piece.
+  virtual bool applies_scale() const { return false; }
+
+  // Whether completion times are stamped (default on). Off, the transport
+  // reads no clock: the reducer turns it off when records are off.
+  virtual void set_stamp_completion(bool on) { stamp_completion_ = on; }
+  bool stamp_completion() const { return stamp_completion_; }
+
+  virtual int64_t rank() const = 0;
+  virtual int64_t world_size() const = 0;
+  // What carries the data, for records and errors: "gloo", "shm", "comm_hook",
+  // "counting(gloo)".
+  virtual std::string name() const = 0;
+  // Counters a wrapper keeps (calls, bytes); empty for the others.
+  virtual std::map<std::string, int64_t> stats() const { return {}; }
+
+ protected:
+  int64_t completion_time() const { return stamp_completion_ ? steady_now_ns() : -1; }
+
+ private:
+  bool stamp_completion_ = true;
+};
+
+// A transport in front of another: forwards everything to `inner`. A
+// subclass overrides the collectives it changes (a simulated network delays
+// them, a counter counts them).
+class WrappingTransport : public Transport {
+ public:
+  explicit WrappingTransport(std::shared_ptr<Transport> inner);
+  Future all_reduce(at::Tensor piece, double scale) override { return inner_->all_reduce(std::move(piece), scale); }
+  Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) override {
+    return inner_->reduce_scatter(std::move(input), std::move(output_shard), scale);
+  }
+  Future all_gather(at::Tensor shard, at::Tensor output) override {
+    return inner_->all_gather(std::move(shard), std::move(output));
+  }
+  bool owns_buckets() const override { return inner_->owns_buckets(); }
+  Future all_reduce_bucket(at::Tensor piece, double scale, c10d::GradBucket& bucket) override {
+    return inner_->all_reduce_bucket(std::move(piece), scale, bucket);
+  }
+  at::Tensor result_of(const Future& future, const at::Tensor& piece) override {
+    return inner_->result_of(future, piece);
+  }
+  bool applies_scale() const override { return inner_->applies_scale(); }
+  void set_stamp_completion(bool on) override {
+    Transport::set_stamp_completion(on);
+    inner_->set_stamp_completion(on);
+  }
+  int64_t rank() const override { return inner_->rank(); }
+  int64_t world_size() const override { return inner_->world_size(); }
+  std::string name() const override { return inner_->name(); }
+  std::map<std::string, int64_t> stats() const override { return inner_->stats(); }
+  const std::shared_ptr<Transport>& inner() const { return inner_; }
+
+ protected:
+  std::shared_ptr<Transport> inner_;
+};
+
+// Wrappers by name, so Python (pydist.transport.wrap) and benchmarks can put
+// one in front of any transport. A wrapper's file registers itself:
+//   static const bool registered = register_wrapper("counting", [](auto inner, const auto& options) {...});
+// `options` are the wrapper's numeric settings (a simulated network's
+// bandwidth and latency), by name.
+using WrapperOptions = std::map<std::string, double>;
+using WrapperFactory = std::function<std::shared_ptr<Transport>(std::shared_ptr<Transport>, const WrapperOptions&)>;
+bool register_wrapper(const std::string& name, WrapperFactory factory);
+// Raises naming the registered wrappers when `name` is not one.
+std::shared_ptr<Transport> wrap(const std::string& name, std::shared_ptr<Transport> inner, const WrapperOptions& options);
+std::vector<std::string> registered_wrappers();
+
+}  // namespace transport
+}  // namespace pydist
