@@ -94,6 +94,10 @@ std::shared_ptr<Transport> wrap(const std::string& name, std::shared_ptr<Transpo
 }
 
 // --- ProcessGroupTransport ---------------------------------------------------
+// _reduce_scatter_base, _allgather_base and their coalesced forms are the
+// names torch 2.11 has; 2.13 keeps them, deprecated, as aliases.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
     : process_group_(std::move(process_group)) {
@@ -129,14 +133,30 @@ Future ProcessGroupTransport::reduce_scatter(at::Tensor input, at::Tensor output
               input.numel(), " elements, world_size (", world_size(), ") x output_shard (", output_shard.numel(),
               ") expected");
   at::Tensor scaled = scale != 1.0 ? input * scale : input;
-  return track(process_group_->_reduce_scatter_base(output_shard, scaled));
+  try {
+    return track(process_group_->_reduce_scatter_base(output_shard, scaled));
+  } catch (const c10::Error&) {
+    // A group written in Python (the mpi4py backend) overrides only the
+    // coalesced form; it has no backend registered for the plain one.
+    std::vector<at::Tensor> outputs{output_shard};
+    std::vector<at::Tensor> inputs{scaled};
+    return track(process_group_->reduce_scatter_tensor_coalesced(outputs, inputs));
+  }
 }
 
 Future ProcessGroupTransport::all_gather(at::Tensor shard, at::Tensor output) {
   TORCH_CHECK(output.numel() == shard.numel() * world_size(), "ProcessGroupTransport.all_gather: output has ",
               output.numel(), " elements, world_size (", world_size(), ") x shard (", shard.numel(), ") expected");
-  return track(process_group_->_allgather_base(output, shard));
+  try {
+    return track(process_group_->_allgather_base(output, shard));
+  } catch (const c10::Error&) {
+    std::vector<at::Tensor> outputs{output};
+    std::vector<at::Tensor> inputs{shard};
+    return track(process_group_->allgather_into_tensor_coalesced(outputs, inputs));
+  }
 }
+
+#pragma GCC diagnostic pop
 
 // --- CommHookTransport -------------------------------------------------------
 
