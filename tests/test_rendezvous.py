@@ -263,10 +263,12 @@ def test_impossible_local_world_size_is_named():
 
 def test_contradicting_variable_is_not_overwritten(monkeypatch):
     """Values pydist found are exported; one that contradicts is named with both values."""
-    from pydist.rendezvous import export_torchrun_env
+    from pydist.rendezvous import export_torchrun_env, process_group
 
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    # A private environment: what this test exports must not reach later tests' launches.
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ALL_VARS})
+    monkeypatch.setattr(process_group, "_exported", {})
+    os.environ["LOCAL_RANK"] = "3"
     with pytest.raises(LauncherConflict, match="LOCAL_RANK='3' is set but pydist found LOCAL_RANK='1'"):
         export_torchrun_env({"LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2}, "here")
     assert "LOCAL_WORLD_SIZE" not in os.environ  # nothing is set when one value contradicts

@@ -211,11 +211,11 @@ def _join_store(addr: str, port: int, world_size: int, rank: int, timeout: datet
     helper.join(timeout.total_seconds() + _HANDSHAKE_SLACK_S)
     if "store" in outcome:
         return outcome["store"]
-    if "error" in outcome:
+    if "error" in outcome or not _accepts(addr, port):  # nothing listens: torch's own error is on its way
         raise RendezvousTimeout(
             f"{where}: rank {rank} of {world_size} could not reach the rendezvous store at {addr}:{port} within "
             f"{timeout.total_seconds():.0f} s; missing ranks: [0] (rank 0 hosts the store and never answered)"
-        ) from outcome["error"]
+        ) from outcome.get("error")
     raise RendezvousTimeout(
         f"{where}: rank {rank} of {world_size}: something at {addr}:{port} accepted the connection but did not "
         f"answer as a torch TCPStore within {timeout.total_seconds():.0f} s ({describe_port(addr, port)}). "
@@ -223,7 +223,15 @@ def _join_store(addr: str, port: int, world_size: int, rank: int, timeout: datet
     )
 
 
-_HANDSHAKE_SLACK_S = 2.0  # beyond the timeout: torch's own connect error comes first when nothing listens
+_HANDSHAKE_SLACK_S = 2.0  # beyond the timeout, for torch's own connect error when nothing listens
+
+
+def _accepts(addr: str, port: int) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 class _MPIStore(NamedTuple):
