@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import NamedTuple
 
 import pytest
 
@@ -65,66 +66,78 @@ def test_failing_rank_aborts_the_mpirun_suite(tmp_path):
 
 # -- issue 17: faults under mpiexec -----------------------------------------------
 
-def run_straggler(mode, timeout_s, **env):
+class StragglerRun(NamedTuple):
+    returncode: int
+    output: str  # what every rank wrote to stdout and stderr, and what the launcher printed
+    elapsed: float  # seconds from launch to the end of the job
+
+
+def run_straggler(tmp_path, mode, timeout_s, **env):
+    """Each rank writes to a file of its own (tests/mpi_scripts/straggler.py):
+    what a rank prints just before MPI_Abort may never reach mpiexec's pipes."""
+    log = tmp_path / "straggler"
     start = time.monotonic()
-    done = mpiexec([os.path.join("tests", "mpi_scripts", "straggler.py"), mode, str(timeout_s)], timeout=180, **env)
-    return done, time.monotonic() - start
+    done = mpiexec([os.path.join("tests", "mpi_scripts", "straggler.py"), mode, str(timeout_s)], timeout=180,
+                   STRAGGLER_LOG=str(log), **env)
+    elapsed = time.monotonic() - start
+    ranks = "".join(p.read_text() for p in sorted(tmp_path.glob("straggler.rank*")))
+    return StragglerRun(done.returncode, ranks + done.stdout + done.stderr, elapsed)
 
 
 @pytest.mark.timeout(200)
-def test_torch_ddp_on_mpi_backend_straggler_aborts_naming_the_collective():
+def test_torch_ddp_on_mpi_backend_straggler_aborts_naming_the_collective(tmp_path):
     """Item 6: torch's DDP waits on the all-reduce's future; after the group's
     4 s timeout the watchdog names the collective and aborts the job (bounds
     generous: the machine is shared)."""
-    done, elapsed = run_straggler("torch_ddp", 4)
+    done = run_straggler(tmp_path, "torch_ddp", 4)
     assert done.returncode != 0
     assert "[pydist] rank 0: mpi4py backend: allreduce of 36 float32 on cpu on rank 0 of 2 did not finish within 4 s" \
-        in done.stderr, done.stderr[-3000:]
-    assert "Segmentation fault" not in done.stdout + done.stderr
-    assert elapsed < 60, f"{elapsed:.0f} s"
+        in done.output, done.output[-3000:]
+    assert "Segmentation fault" not in done.output
+    assert done.elapsed < 60, f"{done.elapsed:.0f} s"
 
 
 @pytest.mark.timeout(200)
-def test_pydist_ddp_comm_hook_future_raises_on_timeout():
+def test_pydist_ddp_comm_hook_future_raises_on_timeout(tmp_path):
     """Item 6, with PYDIST_MPI_ABORT_ON_TIMEOUT=0: the comm hook's future
     raises CollectiveTimeout into backward; the uncaught error ends the job."""
-    done, elapsed = run_straggler("pydist_hook", 4, PYDIST_MPI_ABORT_ON_TIMEOUT="0")
+    done = run_straggler(tmp_path, "pydist_hook", 4, PYDIST_MPI_ABORT_ON_TIMEOUT="0")
     assert done.returncode != 0
     assert "CollectiveTimeout: mpi4py backend: allreduce of 36 float32 on cpu on rank 0 of 2 did not finish within 4 s" \
-        in done.stderr, done.stderr[-3000:]
-    assert "[pydist] rank 0: uncaught RuntimeError; aborting the MPI job" in done.stderr
-    assert elapsed < 60, f"{elapsed:.0f} s"
+        in done.output, done.output[-3000:]
+    assert "[pydist] rank 0: uncaught RuntimeError; aborting the MPI job" in done.output
+    assert done.elapsed < 60, f"{done.elapsed:.0f} s"
 
 
 @pytest.mark.timeout(200)
-def test_exit_after_a_timeout_aborts_instead_of_finalizing():
+def test_exit_after_a_timeout_aborts_instead_of_finalizing(tmp_path):
     """Item 11: rank 0 catches the timeout and exits normally while its MPI
     thread is still inside MPI_Allreduce: pydist aborts at exit (no crash in
     MPI_Finalize), with the timed-out collective in the message."""
-    done, elapsed = run_straggler("catch_and_exit", 4, PYDIST_MPI_ABORT_ON_TIMEOUT="0")
-    assert "[rank 0] caught after" in done.stdout
+    done = run_straggler(tmp_path, "catch_and_exit", 4, PYDIST_MPI_ABORT_ON_TIMEOUT="0")
+    assert "[rank 0] caught after" in done.output
     assert "aborting the MPI job at exit instead of finalizing, because a collective never finished: mpi4py " \
-           "backend: allreduce of 4 float32" in done.stderr, done.stderr[-3000:]
-    assert "Segmentation fault" not in done.stdout + done.stderr
-    assert done.returncode != 0 and elapsed < 60
+           "backend: allreduce of 4 float32" in done.output, done.output[-3000:]
+    assert "Segmentation fault" not in done.output
+    assert done.returncode != 0 and done.elapsed < 60
 
 
 @pytest.mark.timeout(200)
-def test_uncaught_exception_ends_the_job():
+def test_uncaught_exception_ends_the_job(tmp_path):
     """Item 8: `mpiexec -n 2 python train.py`, rank 1 raises while rank 0 waits
     in a collective with a 60 s timeout: the job ends in seconds."""
-    done, elapsed = run_straggler("uncaught", 60)
+    done = run_straggler(tmp_path, "uncaught", 60)
     assert done.returncode != 0
-    assert "ValueError: rank 1 fails on purpose" in done.stderr
-    assert "[pydist] rank 1: uncaught ValueError; aborting the MPI job" in done.stderr
-    assert elapsed < 45, f"the job took {elapsed:.0f} s: rank 0 waited for its timeout"
+    assert "ValueError: rank 1 fails on purpose" in done.output
+    assert "[pydist] rank 1: uncaught ValueError; aborting the MPI job" in done.output
+    assert done.elapsed < 45, f"the job took {done.elapsed:.0f} s: rank 0 waited for its timeout"
 
 
 @pytest.mark.timeout(200)
-def test_uncaught_exception_abort_can_be_turned_off():
-    done, _ = run_straggler("uncaught", 3, PYDIST_MPI_ABORT_ON_EXCEPTION="0")
-    assert done.returncode != 0 and "ValueError: rank 1 fails on purpose" in done.stderr
-    assert "aborting the MPI job" not in done.stderr
+def test_uncaught_exception_abort_can_be_turned_off(tmp_path):
+    done = run_straggler(tmp_path, "uncaught", 3, PYDIST_MPI_ABORT_ON_EXCEPTION="0")
+    assert done.returncode != 0 and "ValueError: rank 1 fails on purpose" in done.output
+    assert "aborting the MPI job" not in done.output
 
 
 def report_env(launcher, backend, **env):

@@ -110,11 +110,19 @@ def _abort_on_uncaught_exception(MPI) -> None:
         previous(exc_type, exc, tb)
         if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
             return
-        sys.stderr.write(
+        # torch.distributed.init_process_group, called after MPI was loaded,
+        # wraps this hook in its own, which points sys.stderr at a buffer while
+        # this one runs and prints the buffer (rank-prefixed) when it returns.
+        # This one never returns, so print the buffer now, to the real stderr.
+        err = sys.stderr
+        if err is not sys.__stderr__ and sys.__stderr__ is not None and hasattr(err, "getvalue"):
+            sys.__stderr__.write(err.getvalue())
+            err = sys.__stderr__
+        err.write(
             f"[pydist] rank {MPI.COMM_WORLD.Get_rank()}: uncaught {exc_type.__name__}; aborting the MPI job so the "
             f"other ranks do not wait for this one ({ABORT_ENV}=0 turns this off)\n"
         )
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, err):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a closed stream must not stop the abort

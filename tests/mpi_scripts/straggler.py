@@ -13,8 +13,18 @@ MODE:
                   (item 8: the job must end within seconds)
 """
 
+import os
 import sys
 import time
+
+# What a rank writes just before MPI_Abort can be lost on its way through the
+# launcher (mpiexec kills the job at the abort), so with STRAGGLER_LOG set each
+# rank's stdout and stderr go straight to a file of its own the test reads.
+if os.environ.get("STRAGGLER_LOG"):
+    _log = os.open(f"{os.environ['STRAGGLER_LOG']}.rank{os.environ.get('PMI_RANK', 'x')}",
+                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(_log, 1)
+    os.dup2(_log, 2)
 
 import torch
 import torch.distributed as dist
