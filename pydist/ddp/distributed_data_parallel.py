@@ -260,7 +260,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         __setstate__ builds them again on the default group."""
         self._check_default_group()
         state = dict(self.__dict__)
-        for name in ("process_group", "reducer", "_shm", "logger", "_comm_hook", "_params", "_param_slots"):
+        # Dropped too: what _collect_params derives again in __setstate__.
+        derived = ("_param_names", "_params", "_param_slots", "_param_dtypes", "_param_owner_snapshots")
+        for name in ("process_group", "reducer", "_shm", "logger", "_comm_hook", *derived):
             state.pop(name, None)
         return state
 
