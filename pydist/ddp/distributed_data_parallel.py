@@ -118,7 +118,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     host are all-reduced through shared memory instead of the process group,
     elsewhere on the group; True: shared memory or an error; False: always
     the group; see [Note: which transport]) and ``record_timing`` (keep
-    per-bucket timings, read with ``last_iteration_record()``)."""
+    per-chunk and per-bucket records of the last iterations, read with
+    ``iteration_records()`` / ``last_iteration_record()``; see
+    ``set_record_timing`` and pydist/ddp/records.py)."""
 
     def __init__(
         self,
