@@ -10,7 +10,8 @@ flatten ops are ``pydist.ops``.
 """
 
 from pydist.ddp import DistributedDataParallel
+from pydist.fsdp import clip_grad_norm_, fully_shard  # sharded data parallelism (pydist/fsdp)
 from pydist.rendezvous import init_process_group  # imports torch.distributed, never MPI
 
-__all__ = ["DistributedDataParallel", "init_process_group"]
+__all__ = ["DistributedDataParallel", "init_process_group", "fully_shard", "clip_grad_norm_"]
 __version__ = "0.1.0"

@@ -1,0 +1,121 @@
+"""The pieces of pydist's FSDP on their own: the unit's flat layout (in one
+process), the collectives on both transports with integer-valued floats
+(exact answers), the keywords not implemented, and the module methods."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist.fsdp import FSDPParamGroup, fully_shard
+from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.fsdp._fsdp_param import ParamModuleInfo
+from pydist.spawn import run_ranks
+
+
+def _named(module):
+    return [(n, p, [ParamModuleInfo(*_owner(module, n))]) for n, p in module.named_parameters()]
+
+
+def _owner(module, fqn):
+    *path, name = fqn.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, name
+
+
+def torch_fsdp2_padded_numel(params, world_size):
+    """What FSDP2's per-parameter dim-0 sharding holds in total (padding included)."""
+    total = 0
+    for p in params:
+        rows = -(-p.shape[0] // world_size) * world_size
+        total += rows * (p.numel() // p.shape[0])
+    return total
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 3])
+def test_layout_pads_only_at_the_unit_end(world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(255, 1), nn.Linear(1, 255))  # 1 and 255 rows: bad for dim-0 sharding
+    full = [p.detach().clone() for p in model.parameters()]
+    total = sum(p.numel() for p in full)
+    flat = torch.cat([p.reshape(-1) for p in full])
+    shards = []
+    for rank in range(world_size):
+        m = nn.Sequential(nn.Linear(255, 1), nn.Linear(1, 255))
+        m.load_state_dict(dict(zip(["0.weight", "0.bias", "1.weight", "1.bias"], full)))
+        pg = FSDPParamGroup(_named(m), rank, world_size, sharded=True, reshard_after_forward=True, label="m")
+        assert pg.padded_numel - total < world_size  # at most N - 1 padding elements, all at the end
+        assert pg.shard_numel == -(-total // world_size)
+        shards.append(pg.shard.clone())
+        # each parameter the module now holds is this rank's slice of its flattened self
+        for fp in pg.fsdp_params:
+            assert m.get_parameter(fp.fqn) is fp.sharded_param and fp.sharded_param.dim() == 1
+            want = flat[fp.local_start:fp.local_end]
+            assert torch.equal(fp.sharded_param.detach(), want), fp
+            assert fp.sharded_param.untyped_storage().data_ptr() == pg.shard.untyped_storage().data_ptr()
+        assert pg.persistent_bytes() == pg.shard_numel * 4
+    gathered = torch.cat(shards)
+    assert torch.equal(gathered[:total], flat) and not gathered[total:].any()
+    # torch FSDP2 pads every parameter's dim 0: about 2x here at 4 ranks
+    if world_size == 4:
+        assert torch_fsdp2_padded_numel(full, world_size) >= 1.49 * total > pg.padded_numel
+
+
+def test_unimplemented_keywords_name_themselves():
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    m = nn.Linear(2, 2)
+    with pytest.raises(NotImplementedError, match="mp_policy"):
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="offload_policy"):
+        fully_shard(m, offload_policy=CPUOffloadPolicy())
+    with pytest.raises(NotImplementedError, match="shard_placement_fn"):
+        fully_shard(m, shard_placement_fn=lambda p: None)
+    with pytest.raises(NotImplementedError, match="reshard_after_forward"):
+        fully_shard(m, reshard_after_forward=2)
+
+
+def _collectives_rank(rank, world_size, shm):
+    import torch.distributed as dist
+
+    t = collectives.open_transport(dist.group.WORLD, shm=shm)
+    out = {"name": t.name}
+    # all-gather: rank r's shard holds 100*r + i
+    shard = torch.arange(5, dtype=torch.float32) + 100 * rank
+    full = torch.empty(5 * world_size)
+    collectives.all_gather_unit(t, shard, full).wait()
+    out["gathered"] = full
+    # reduce-scatter of a unit laid out as [g0 (6), gap (3), g1 (4)] + padding
+    g0 = torch.full((2, 3), float(rank + 1))
+    g1 = torch.arange(4, dtype=torch.float32) * (rank + 1)
+    segs = [collectives.Segment(0, 6, [g0]), collectives.Segment(6, 3, None), collectives.Segment(9, 4, [g1])]
+    shard_numel = -(-13 // world_size)
+    rs = collectives.reduce_scatter_grads(t, segs, shard_numel * world_size, shard_numel, torch.float32)
+    rs.future.wait()
+    out["rs"] = rs.output
+    ar = collectives.all_reduce_grads(t, segs, 13, torch.float32)
+    ar.future.wait()
+    out["ar"] = ar.output
+    out["sum"] = collectives.all_reduce_sum(t, torch.tensor([float(rank + 1)]))
+    out["small"] = collectives.all_gather_small(t, torch.tensor([float(rank)]))
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_collectives_exact(shm):
+    world_size = 2
+    results = run_ranks(_collectives_rank, world_size, args=(shm,), timeout=60)
+    n = world_size
+    mean = sum(range(1, n + 1)) / n  # ranks scale by rank + 1: the average multiplier
+    want_full = torch.cat([torch.arange(5, dtype=torch.float32) + 100 * r for r in range(n)])
+    layout = torch.cat([torch.full((6,), mean), torch.zeros(3), torch.arange(4, dtype=torch.float32) * mean])
+    padded = torch.cat([layout, torch.zeros(-(-13 // n) * n - 13)])
+    for rank, out in enumerate(results):
+        assert out["name"] == ("shm" if shm else "gloo")
+        assert torch.equal(out["gathered"], want_full)
+        s = -(-13 // n)
+        assert torch.equal(out["rs"], padded[rank * s:(rank + 1) * s]), (rank, out["rs"])
+        assert torch.equal(out["ar"], layout)
+        assert out["sum"].item() == sum(range(1, n + 1))
+        assert torch.equal(out["small"].reshape(-1), torch.arange(n, dtype=torch.float32))
