@@ -10,8 +10,22 @@ flatten ops are ``pydist.ops``.
 """
 
 from pydist.ddp import DistributedDataParallel
-from pydist.fsdp import clip_grad_norm_, fully_shard  # sharded data parallelism (pydist/fsdp)
+from pydist.fsdp import (  # sharded data parallelism (pydist/fsdp)
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+    clip_grad_norm_,
+    fully_shard,
+)
 from pydist.rendezvous import init_process_group  # imports torch.distributed, never MPI
 
-__all__ = ["DistributedDataParallel", "init_process_group", "fully_shard", "clip_grad_norm_"]
+__all__ = [
+    "DistributedDataParallel",
+    "init_process_group",
+    "fully_shard",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "MixedPrecision",
+    "clip_grad_norm_",
+]
 __version__ = "0.1.0"

@@ -15,10 +15,22 @@ dicts, gradient clipping, memory accounting).
 
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from pydist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from pydist.fsdp._fully_sharded_data_parallel import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from pydist.fsdp._utils import clip_grad_norm_, full_state_dict, load_full_state_dict, persistent_bytes
 
 __all__ = [
     "fully_shard",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "MixedPrecision",
+    "BackwardPrefetch",
+    "CPUOffload",
     "FSDPModule",
     "UnshardHandle",
     "FSDPParamGroup",

@@ -33,7 +33,7 @@ def _torch_policies():
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, shard_placement_fn=None,
                 mp_policy=None, offload_policy=None, ignored_params=None, shm: bool | None = None,
-                _sharded: bool = True) -> nn.Module:
+                _sharded: bool = True, _process_group=None) -> nn.Module:
     """Makes ``module``'s parameters not yet managed by a fully_shard'ed
     submodule one unit, sharded over ``mesh`` (a 1-D DeviceMesh; None: the
     default group), and returns ``module``, its class now also an
@@ -54,7 +54,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         _refuse(True, f"offload_policy={offload_policy!r} (only OffloadPolicy() so far)")
     if state_of(module) is not None:
         raise RuntimeError(f"pydist.fully_shard: {type(module).__name__} is already fully_shard'ed")
-    group = _group_of(mesh)
+    group = _process_group if _process_group is not None else _group_of(mesh)
     named = _managed_params(module)
     param_group = None
     if named:

@@ -69,7 +69,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor])
                 full = rest.pop(name).reshape(-1)
                 if full.numel() != fp.numel:
                     raise ValueError(f"load_full_state_dict: {name} has {full.numel()} elements, the parameter {fp.numel}")
-                fp.sharded_param.reshape(-1).copy_(full.narrow(0, fp.local_start - fp.offset, fp.local_numel))
+                if fp.local_numel:
+                    fp.sharded_param.reshape(-1).copy_(full.narrow(0, fp.local_start - fp.offset, fp.local_numel))
     managed = set(by_id.values())
     for name in [n for n in rest if n in managed]:
         rest.pop(name)  # the other names of a shared parameter
