@@ -4,7 +4,7 @@ gradient clipping by the global norm, and memory accounting."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -12,7 +12,7 @@ import torch.nn as nn
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_state import FSDPState, state_of
 
-__all__ = ["full_state_dict", "load_full_state_dict", "clip_grad_norm_", "persistent_bytes"]
+__all__ = ["full_state_dict", "load_full_state_dict", "clip_grad_norm_", "persistent_bytes", "PersistentBytes"]
 
 
 def _root_state(module: nn.Module) -> FSDPState:
@@ -124,19 +124,38 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
-def persistent_bytes(module: nn.Module) -> dict[str, int]:
-    """Bytes this rank holds between iterations for ``module``'s units: the
-    shard buffers (parameters) and the sharded gradients' storages, each
-    storage counted once."""
+class PersistentBytes(NamedTuple):
+    """Bytes one rank holds between iterations, each storage counted once."""
+
+    params: int  # the units' shard buffers (padding included) and unmanaged parameters
+    grads: int  # the storages the parameters' .grad live in
+    optimizer: int  # the optimizer's state tensors (0 without one)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PersistentBytes:
+    """What ``module`` (and ``optimizer``) keep on this rank between
+    iterations: the sum of the distinct storages behind its parameters,
+    their gradients and the optimizer's state. The unsharded buffers hold
+    no memory then (see [Note: the unsharded buffer's memory])."""
     seen: set[int] = set()
-    out = {"params": 0, "grads": 0}
-    for pg in _units(module):
-        for kind, tensors in (("params", [pg.shard]), ("grads", [fp.sharded_param.grad for fp in pg.fsdp_params])):
-            for t in tensors:
-                if t is None:
-                    continue
+
+    def storage_bytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
-                    out[kind] += storage.nbytes()
-    return out
+                    total += storage.nbytes()
+        return total
+
+    params = list(module.parameters())
+    opt_state = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            opt_state.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return PersistentBytes(storage_bytes(params), storage_bytes(p.grad for p in params), storage_bytes(opt_state))

@@ -119,3 +119,79 @@ def test_collectives_exact(shm):
         assert torch.equal(out["ar"], layout)
         assert out["sum"].item() == sum(range(1, n + 1))
         assert torch.equal(out["small"].reshape(-1), torch.arange(n, dtype=torch.float32))
+
+
+class SometimesUsed(nn.Module):
+    """One unit whose ``extra`` layer only odd ranks use."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.extra = nn.Linear(6, 6)
+
+    def forward(self, x, use_extra: bool):
+        x = self.body(x)
+        return self.extra(x) if use_extra else x
+
+
+def _unused_and_memory_rank(rank, world_size, _unused):
+    import torch.distributed as dist
+
+    from pydist.fsdp import full_state_dict, persistent_bytes
+
+    # --- a parameter used on some ranks only: its gradient is the average
+    # over the ranks with zeros where it was not used (never a hang). The
+    # oracle: each rank's plain gradients, averaged by hand.
+    torch.manual_seed(0)
+    plain = SometimesUsed()
+    model = SometimesUsed()
+    model.load_state_dict(plain.state_dict())
+    fully_shard(model)
+    use_extra = rank % 2 == 1
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(-2, 3, (4, 6), generator=g).float()
+    plain(x, use_extra).sum().backward()
+    local = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in plain.named_parameters()}
+    every = [None] * world_size
+    dist.all_gather_object(every, local)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(x, use_extra).sum().backward()
+    opt.step()
+    expected = {n: p.detach() - sum(e[n] / world_size for e in every) for n, p in plain.named_parameters()}
+    got = full_state_dict(model)
+    unused = {n: torch.equal(expected[n], got[n]) for n in expected}
+
+    # --- persistent bytes: the shards, their gradients and Adam's state, and
+    # no more; the unsharded buffers hold nothing between iterations.
+    torch.manual_seed(0)
+    big = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    psi = sum(p.numel() for p in big.parameters())
+    for layer in big:
+        fully_shard(layer)
+    fully_shard(big)
+    opt = torch.optim.Adam(big.parameters(), lr=1e-3)
+    big(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    measured = persistent_bytes(big, opt)
+    units = [layer._pydist_fsdp_state.param_group for layer in big]
+    unsharded_bytes = sum(u.unsharded.untyped_storage().nbytes() for u in units)
+    shard_bytes = sum(-(-u.total_numel // world_size) * 4 for u in units)
+    local_numel = sum(p.numel() for p in big.parameters())
+    adam_bytes = 2 * 4 * local_numel + 4 * sum(1 for _ in big.parameters())  # exp_avg, exp_avg_sq, step
+    return {
+        "unused_match": unused,
+        "persistent": tuple(measured),
+        "expected": (shard_bytes, shard_bytes, adam_bytes),
+        "unsharded_bytes": unsharded_bytes,
+        "psi": psi,
+    }
+
+
+@pytest.mark.timeout(90)
+def test_unused_on_some_ranks_and_persistent_bytes():
+    world_size = 2
+    for rank, out in enumerate(run_ranks(_unused_and_memory_rank, world_size, args=(None,), timeout=60)):
+        assert all(out["unused_match"].values()), f"rank {rank}: {out['unused_match']}"
+        assert out["persistent"] == out["expected"], f"rank {rank}: (params, grads, optimizer) {out['persistent']}"
+        assert out["unsharded_bytes"] == 0
+        assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
