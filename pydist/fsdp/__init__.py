@@ -10,7 +10,7 @@ _fsdp_param.py (one parameter), _fsdp_param_group.py (one unit),
 _fsdp_collectives.py (the collectives, through pydist.transport only),
 _fsdp_state.py (the hooks and the root's iteration), _fully_shard.py and
 _fully_sharded_data_parallel.py (the two front doors), _utils.py (state
-dicts, gradient clipping, memory accounting).
+dicts, gradient clipping, memory accounting, per-unit records).
 """
 
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
@@ -22,7 +22,13 @@ from pydist.fsdp._fully_sharded_data_parallel import (
     MixedPrecision,
     ShardingStrategy,
 )
-from pydist.fsdp._utils import clip_grad_norm_, full_state_dict, load_full_state_dict, persistent_bytes
+from pydist.fsdp._utils import (
+    clip_grad_norm_,
+    full_state_dict,
+    last_iteration_record,
+    load_full_state_dict,
+    persistent_bytes,
+)
 
 __all__ = [
     "fully_shard",
@@ -40,4 +46,5 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "persistent_bytes",
+    "last_iteration_record",
 ]

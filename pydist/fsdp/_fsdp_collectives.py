@@ -58,7 +58,7 @@ def open_transport(group, shm: bool | None = None) -> pydist_transport.Transport
 
     shm_transport = open_shm_allreduce([torch.zeros(1)], group, wanted=shm)
     transport = shm_transport if shm_transport is not None else pydist_transport.ProcessGroupTransport(group)
-    transport.set_stamp_completion(False)
+    transport.set_stamp_completion(True)  # the per-unit records read completion times
     return transport
 
 
@@ -81,9 +81,11 @@ class UnshardResult(NamedTuple):
     future: object  # pydist.transport.TransportFuture
     preserve: object  # restores the output's version counter
 
-    def wait(self) -> None:
-        self.future.wait()
+    def wait(self) -> int:
+        """Waits; returns when the transport finished it (ns, time.monotonic_ns's clock)."""
+        completed = self.future.wait()
         self.preserve.__exit__(None, None, None)
+        return completed
 
 
 class Segment(NamedTuple):

@@ -31,7 +31,8 @@ storage, holding memory only while unsharded.
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+import time
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -39,7 +40,25 @@ import torch.nn as nn
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 
-__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState"]
+__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord"]
+
+
+class CollectiveRecord(NamedTuple):
+    """One collective of one unit in one iteration, on time.monotonic_ns's
+    clock, as the DDP reducer keeps per bucket: so exposed communication can
+    be attributed to a unit."""
+
+    unit: str  # the unit's module name under the root ("" for the root)
+    kind: str  # "all_gather" or "reduce_scatter"
+    phase: str  # all-gathers: "forward", "backward", "forward_prefetch", "backward_prefetch", "explicit"; "backward"
+    issued_ns: int  # handed to the transport
+    needed_ns: int  # the compute thread began waiting for it
+    completed_ns: int  # the transport finished it (-1: not stamped)
+
+    @property
+    def exposed_ns(self) -> int:
+        """How long the compute thread waited for it."""
+        return max(0, self.completed_ns - self.needed_ns) if self.completed_ns >= 0 else 0
 
 
 class TrainingState(enum.Enum):
@@ -81,7 +100,7 @@ class FSDPParamGroup:
                 raise NotImplementedError(
                     f"pydist.fully_shard({label}): parameter {n} is on {p.device}; this first slice shards CPU parameters only"
                 )
-        self.label = label  # the module's name under the root, for errors
+        self.label = label  # the module's class, then (root lazy init) its name under the root: records, errors
         self.dtype = dtypes.pop()
         self.rank = rank
         # Ranks the parameters are sharded over: the group's size, or 1 for
@@ -133,29 +152,42 @@ class FSDPParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        # The all-gather in flight while UNSHARDING (an UnshardResult).
+        # The all-gather in flight while UNSHARDING (an UnshardResult), and
+        # (issued_ns, phase) for its record.
         self._unshard_future = None
-        # The reduce-scatter started in post_backward, waited in finalize_backward.
+        self._unshard_issue: tuple[int, str] = (0, "")
+        # This iteration's collectives (the root clears them at its pre-forward).
+        self.records: list[CollectiveRecord] = []
+        # The reduce-scatter started in post_backward, waited in finalize_backward,
+        # and when it was started.
         self._reduce: collectives.ReduceScatterResult | None = None
+        self._reduce_issued = 0
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
 
-    def unshard(self) -> None:
+    def unshard(self, phase: str = "explicit") -> None:
         """Starts the all-gather of the unit's parameters (no-op unless SHARDED)."""
         if self.sharded_state != ShardedState.SHARDED:
             return
         self._check_transport("unshard")
         self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
+        self._unshard_issue = (time.monotonic_ns(), phase)
         self._unshard_future = collectives.all_gather_unit(self.transport, self.shard, self.unsharded)
         self.sharded_state = ShardedState.UNSHARDING
 
-    def wait_for_unshard(self) -> None:
+    def _wait_all_gather(self) -> None:
+        needed = time.monotonic_ns()
+        completed = self._unshard_future.wait()
+        self._unshard_future = None
+        issued, phase = self._unshard_issue
+        self.records.append(CollectiveRecord(self.label, "all_gather", phase, issued, needed, completed))
+
+    def wait_for_unshard(self, phase: str = "explicit") -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
         if self.sharded_state == ShardedState.SHARDED:
-            self.unshard()
+            self.unshard(phase)
         if self.sharded_state == ShardedState.UNSHARDING:
-            self._unshard_future.wait()
-            self._unshard_future = None
+            self._wait_all_gather()
             for fp in self.fsdp_params:
                 fp.init_unsharded_param(self.unsharded)
                 fp.to_unsharded()
@@ -166,8 +198,7 @@ class FSDPParamGroup:
         if not self.sharded or self.sharded_state == ShardedState.SHARDED:
             return
         if self.sharded_state == ShardedState.UNSHARDING:
-            self._unshard_future.wait()  # the transport is still writing the buffer
-            self._unshard_future = None
+            self._wait_all_gather()  # the transport is still writing the buffer
         for fp in self.fsdp_params:
             fp.to_sharded()
         self.unsharded.untyped_storage().resize_(0)
@@ -177,7 +208,7 @@ class FSDPParamGroup:
 
     def pre_forward(self) -> None:
         self.training_state = TrainingState.FORWARD
-        self.wait_for_unshard()
+        self.wait_for_unshard("forward")
 
     def post_forward(self, reshard: bool) -> None:
         if reshard:
@@ -189,7 +220,7 @@ class FSDPParamGroup:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return False
         self.training_state = TrainingState.PRE_BACKWARD
-        self.wait_for_unshard()
+        self.wait_for_unshard("backward")
         return True
 
     def post_backward(self) -> None:
@@ -215,6 +246,7 @@ class FSDPParamGroup:
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
             segments = self._grad_segments()
+            self._reduce_issued = time.monotonic_ns()
             if self.sharded:
                 self._reduce = collectives.reduce_scatter_grads(
                     self.transport, segments, self.padded_numel, self.shard_numel, self.dtype
@@ -257,7 +289,10 @@ class FSDPParamGroup:
         view of the reduced shard; added to a ``.grad`` the user kept)."""
         reduce, self._reduce = self._reduce, None
         if reduce is not None:
-            reduce.future.wait()
+            needed = time.monotonic_ns()
+            completed = reduce.future.wait()
+            kind = "reduce_scatter" if self.sharded else "all_reduce"
+            self.records.append(CollectiveRecord(self.label, kind, "backward", self._reduce_issued, needed, completed))
             start = self.rank * self.shard_numel if self.sharded else 0
             with torch.no_grad():
                 for fp in self.fsdp_params:

@@ -29,6 +29,7 @@ sharded unit]).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ class FSDPState:
         self.all_states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
         self.final_callback_queued = False
+        self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
 
@@ -88,6 +90,9 @@ class FSDPState:
                     "pydist.fully_shard: every unit under one root must shard over the same group (mesh)"
                 )
             state.root = self
+        for name, m in self.module.named_modules():
+            if (s := state_of(m)) is not None and s.param_group is not None:
+                s.param_group.label = name  # records and errors name units by their place
         transport = collectives.open_transport(self.group, self.shm)
         for state in self.all_states:
             if state.param_group is not None:
@@ -97,9 +102,14 @@ class FSDPState:
     def _root_pre_forward(self) -> None:
         self.forward_order = []
         self.final_callback_queued = False
+        self.backward_end_ns = -1
+        for state in self.all_states:
+            if state.param_group is not None:
+                state.param_group.records = []
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
+        self.backward_end_ns = time.monotonic_ns()  # autograd is done; what follows is exposed
         seen = set()
         for state in reversed(self.forward_order):
             if id(state) in seen:
@@ -130,7 +140,7 @@ class FSDPState:
         root.forward_order.append(self)
         for target in self.forward_prefetch:
             if target.param_group is not None:
-                target.param_group.unshard()
+                target.param_group.unshard("forward_prefetch")
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -158,7 +168,7 @@ class FSDPState:
             for target in self._backward_prefetch_targets():
                 tpg = target.param_group
                 if tpg is not None and tpg.training_state != TrainingState.POST_BACKWARD:
-                    tpg.unshard()
+                    tpg.unshard("backward_prefetch")
         return grad
 
     def _backward_prefetch_targets(self) -> list["FSDPState"]:

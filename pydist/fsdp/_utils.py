@@ -12,7 +12,8 @@ import torch.nn as nn
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_state import FSDPState, state_of
 
-__all__ = ["full_state_dict", "load_full_state_dict", "clip_grad_norm_", "persistent_bytes", "PersistentBytes"]
+__all__ = ["full_state_dict", "load_full_state_dict", "clip_grad_norm_", "persistent_bytes", "PersistentBytes",
+           "last_iteration_record", "IterationRecord"]
 
 
 def _root_state(module: nn.Module) -> FSDPState:
@@ -134,6 +135,22 @@ class PersistentBytes(NamedTuple):
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+
+class IterationRecord(NamedTuple):
+    """The collectives of the last iteration of a root, per unit."""
+
+    collectives: list  # CollectiveRecord, by unit in module order, each unit's in the order waited
+    backward_end_ns: int  # autograd finished (the root's final callback began); -1 without backward
+
+    def exposed_ns(self) -> int:
+        return sum(r.exposed_ns for r in self.collectives)
+
+
+def last_iteration_record(module: nn.Module) -> IterationRecord:
+    """What the root ``module``'s units recorded in its last iteration."""
+    state = _root_state(module)
+    return IterationRecord([r for pg in _units(module) for r in pg.records], state.backward_end_ns)
 
 
 def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PersistentBytes:

@@ -178,7 +178,22 @@ def _unused_and_memory_rank(rank, world_size, _unused):
     shard_bytes = sum(-(-u.total_numel // world_size) * 4 for u in units)
     local_numel = sum(p.numel() for p in big.parameters())
     adam_bytes = 2 * 4 * local_numel + 4 * sum(1 for _ in big.parameters())  # exp_avg, exp_avg_sq, step
+    # --- per-unit records of an iteration of a nested model on shared memory
+    import torch.nn.functional as F
+
+    from fsdp_harness import Nested
+    from pydist.fsdp import last_iteration_record
+
+    torch.manual_seed(0)
+    nested = Nested()
+    for m in nested.units():
+        fully_shard(m, shm=True)
+    fully_shard(nested, shm=True)
+    for _ in range(2):
+        F.mse_loss(nested(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    record = last_iteration_record(nested)
     return {
+        "records": record,
         "unused_match": unused,
         "persistent": tuple(measured),
         "expected": (shard_bytes, shard_bytes, adam_bytes),
@@ -195,3 +210,26 @@ def test_unused_on_some_ranks_and_persistent_bytes():
         assert out["persistent"] == out["expected"], f"rank {rank}: (params, grads, optimizer) {out['persistent']}"
         assert out["unsharded_bytes"] == 0
         assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
+        _check_records(out["records"])
+
+
+def _check_records(record):
+    """The shape of an iteration (see [Note: the order of an iteration])."""
+    units = {"", "blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner", "blocks.2", "blocks.2.inner"}
+    by_kind: dict = {}
+    for r in record.collectives:
+        by_kind.setdefault((r.kind, r.phase), []).append(r)
+        assert 0 < r.issued_ns <= r.completed_ns, r
+    assert {r.unit for r in by_kind[("all_gather", "forward")]} == units
+    prefetched = by_kind.get(("all_gather", "backward_prefetch"), [])
+    assert prefetched, "backward prefetched no all-gather"
+    assert all(r.issued_ns < r.needed_ns for r in prefetched)
+    scatters = by_kind[("reduce_scatter", "backward")]
+    assert {r.unit for r in scatters} == units
+    end = record.backward_end_ns
+    for r in scatters:
+        assert r.needed_ns >= end, f"{r.unit}: its reduce-scatter was waited before backward ended"
+        if r.unit == "":  # the root's inputs need no grad: the final callback launches it
+            assert r.issued_ns >= end
+        else:  # launched from inside backward, so it ran while autograd went on
+            assert r.issued_ns < end, f"{r.unit}: reduce-scatter launched only after backward"
