@@ -12,8 +12,10 @@ these machines):
     pydist     pydist.fully_shard, collectives through shared memory (its
                default here: every rank on this host)
     pydist_pg  the same with shm=False: collectives on the gloo group
+    torch_ddp  torch.nn.parallel.DistributedDataParallel (every rank keeps everything)
+    pydist_ddp pydist.DistributedDataParallel
 
-"paired" is the median over rounds of pydist / torch within a round.
+"paired" is the median over rounds of a mode's step / torch FSDP2's within a round.
 Persistent bytes are the distinct storages of the parameters, their
 gradients and Adam's state on one rank after a step (torch: the DTensors'
 local tensors); "ideal" is 16 Psi / N. Padding is the elements a rank's
@@ -50,13 +52,19 @@ def _linear_ln():
 
 
 MODELS = {"8x Linear(1024)+ReLU": (_linear_relu, 1024), "400x (Linear(64)+LayerNorm)": (_linear_ln, 64)}
-MODES = ("torch", "pydist", "pydist_pg")
+MODES = ("torch", "pydist", "pydist_pg", "torch_ddp", "pydist_ddp")
 BATCH = 64
 
 
 def _build(mode: str, model_name: str, world_size: int):
     torch.manual_seed(0)
     model = MODELS[model_name][0]()
+    if mode.endswith("_ddp"):
+        import pydist
+
+        ddp = torch.nn.parallel.DistributedDataParallel if mode == "torch_ddp" else pydist.DistributedDataParallel
+        model = ddp(model)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
     if mode == "torch":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -118,13 +126,19 @@ def _time_rank(rank, world_size, model_name, rounds, steps):
     memory = {}
     for mode, (model, opt) in built.items():
         nbytes = _persistent(model, opt)
-        if mode == "torch":  # DTensor local shards are padded per parameter on dim 0
+        if mode.endswith("_ddp"):
+            local_numel = psi / world_size  # replicated: no padding, and no sharding
+        elif mode == "torch":  # DTensor local shards are padded per parameter on dim 0
             local_numel = sum(_local(p).untyped_storage().nbytes() // 4 for p in model.parameters())
         else:
             local_numel = sum(u.shard_numel for m in model.modules()
                               if (s := m.__dict__.get("_pydist_fsdp_state")) and (u := s.param_group))
         memory[mode] = {"persistent_bytes": nbytes, "padding_elems": local_numel - psi / world_size}
-    return {"times": times, "memory": memory, "psi": psi}
+    from pydist.fsdp import last_iteration_record
+
+    record = last_iteration_record(built["pydist"][0])
+    exposed = record.exposed_ns() / 1e6
+    return {"times": times, "memory": memory, "psi": psi, "pydist_exposed_ms": exposed}
 
 
 def _rss_rank(rank, world_size, model_name, mode, steps):
@@ -147,7 +161,8 @@ def run(model_name: str, world_size: int, rounds: int, steps: int) -> dict:
         rss = run_ranks(_rss_rank, world_size, args=(model_name, m, steps), timeout=300)
         out[f"{m}_peak_rss_MB"] = max(rss) / 2**20
     out["ideal_persistent_MB"] = 16 * out["psi"] / world_size / 2**20
-    for m in ("pydist", "pydist_pg"):
+    out["pydist_exposed_ms"] = max(r["pydist_exposed_ms"] for r in per_rank)
+    for m in MODES[1:]:
         out[f"{m}_paired"] = statistics.median(p / t for p, t in zip(slower[m], slower["torch"]))
     return out
 
@@ -167,7 +182,8 @@ def main() -> None:
         return
     for r in results:
         print(f"\n{r['model']}  ({r['world_size']} ranks, Psi = {r['psi']:,}; ideal persistent 16 Psi/N = "
-              f"{r['ideal_persistent_MB']:.2f} MB)")
+              f"{r['ideal_persistent_MB']:.2f} MB; pydist's last step waited {r['pydist_exposed_ms']:.1f} ms "
+              "on its collectives)")
         print(f"{'mode':<10} {'step(ms)':>9} {'vs torch':>9} {'paired':>7} {'persist(MB)':>12} {'padding':>8} {'peakRSS(MB)':>12}")
         for m in MODES:
             ratio = r[f"{m}_ms"] / r["torch_ms"]

@@ -10,13 +10,7 @@ flatten ops are ``pydist.ops``.
 """
 
 from pydist.ddp import DistributedDataParallel
-from pydist.fsdp import (  # sharded data parallelism (pydist/fsdp)
-    FullyShardedDataParallel,
-    MixedPrecision,
-    ShardingStrategy,
-    clip_grad_norm_,
-    fully_shard,
-)
+from pydist.fsdp import clip_grad_norm_, fully_shard  # sharded data parallelism (pydist/fsdp)
 from pydist.rendezvous import init_process_group  # imports torch.distributed, never MPI
 
 __all__ = [
@@ -29,3 +23,11 @@ __all__ = [
     "clip_grad_norm_",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # FSDP1's front door imports torch.distributed.fsdp: only when used
+    if name in ("FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision"):
+        import pydist.fsdp
+
+        return getattr(pydist.fsdp, name)
+    raise AttributeError(f"module 'pydist' has no attribute {name!r}")

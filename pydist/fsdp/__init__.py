@@ -15,13 +15,6 @@ dicts, gradient clipping, memory accounting, per-unit records).
 
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from pydist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
-from pydist.fsdp._fully_sharded_data_parallel import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullyShardedDataParallel,
-    MixedPrecision,
-    ShardingStrategy,
-)
 from pydist.fsdp._utils import (
     clip_grad_norm_,
     full_state_dict,
@@ -48,3 +41,15 @@ __all__ = [
     "persistent_bytes",
     "last_iteration_record",
 ]
+
+# FSDP1's names come with torch.distributed.fsdp (seconds to import): only
+# when asked for.
+_FSDP1_NAMES = ("FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload")
+
+
+def __getattr__(name):
+    if name in _FSDP1_NAMES:
+        from pydist.fsdp import _fully_sharded_data_parallel
+
+        return getattr(_fully_sharded_data_parallel, name)
+    raise AttributeError(f"module 'pydist.fsdp' has no attribute {name!r}")

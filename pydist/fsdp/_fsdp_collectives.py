@@ -72,7 +72,7 @@ def all_gather_unit(transport, shard: torch.Tensor, unsharded: torch.Tensor) -> 
     counter is put back as it was once the gather is done (a process group
     may copy into ``unsharded`` on its own thread, after the call returns)."""
     preserve = torch.autograd._unsafe_preserve_version_counter(unsharded)
-    return UnshardResult(transport.all_gather(shard, unsharded), preserve)
+    return UnshardResult(transport.all_gather(shard, unsharded), preserve, shard)
 
 
 class UnshardResult(NamedTuple):
@@ -80,6 +80,7 @@ class UnshardResult(NamedTuple):
 
     future: object  # pydist.transport.TransportFuture
     preserve: object  # restores the output's version counter
+    input: torch.Tensor  # the shard sent (a cast copy under mixed precision): alive until done
 
     def wait(self) -> int:
         """Waits; returns when the transport finished it (ns, time.monotonic_ns's clock)."""

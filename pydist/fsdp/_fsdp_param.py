@@ -69,6 +69,10 @@ class FSDPParam:
         # The full parameter, a view of the unit's unsharded buffer; made at
         # the first unshard (the buffer has no memory before) and kept.
         self.unsharded_param: nn.Parameter | None = None
+        # Under mixed precision with gradient sync off: the gradients of the
+        # backwards so far, summed in the reduce dtype (as torch's FSDP2 keeps
+        # them) until a backward with sync reduces them. None otherwise.
+        self.accumulated_grad: torch.Tensor | None = None
 
     @property
     def local_numel(self) -> int:
@@ -78,6 +82,26 @@ class FSDPParam:
         if self.unsharded_param is None:
             view = unsharded.narrow(0, self.offset, self.numel).view(self.shape)
             self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+
+    def accumulate_grad(self, reduce_dtype: torch.dtype, keep: bool) -> None:
+        """Folds this backward's gradient into ``accumulated_grad`` where one
+        is kept; with ``keep`` (sync off), starts keeping one when the gradient
+        is not in ``reduce_dtype``."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None:
+            return
+        if self.accumulated_grad is not None:
+            self.accumulated_grad += grad
+        elif keep and grad.dtype != reduce_dtype:
+            self.accumulated_grad = grad.to(reduce_dtype)
+        else:
+            return
+        self.unsharded_param.grad = None
+
+    def grad_to_reduce(self) -> torch.Tensor | None:
+        if self.accumulated_grad is not None:
+            return self.accumulated_grad
+        return self.unsharded_param.grad if self.unsharded_param is not None else None
 
     def to_sharded(self) -> None:
         for info in self.module_infos:

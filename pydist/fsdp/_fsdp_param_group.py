@@ -26,6 +26,15 @@ re-gathered values, and the version counters are left alone (see
 object; it needs saved-tensor hooks that re-point saved views at whichever
 pool buffer holds the unit in backward. Not done yet: each unit has its own
 storage, holding memory only while unsharded.
+
+[Note: mixed precision]
+With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the
+shard stays fp32 (what the optimizer steps on); ``unshard`` casts it to
+``param_dtype`` and all-gathers that, so the unsharded buffer, forward and
+backward are bf16; ``post_backward`` casts the bf16 gradients to
+``reduce_dtype`` as it packs them and reduce-scatters in fp32; the reduced
+shard is cast to the shard's dtype for ``.grad``. These are the casts torch's
+FSDP2 makes, in the same places, so the results are bitwise its at two ranks.
 """
 
 from __future__ import annotations
@@ -87,7 +96,8 @@ class FSDPParamGroup:
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter, list[ParamModuleInfo]]],
-                 rank: int, world_size: int, sharded: bool, reshard_after_forward: bool, label: str):
+                 rank: int, world_size: int, sharded: bool, reshard_after_forward: bool, label: str,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         dtypes = {p.dtype for _, p, _ in named_params}
         if len(dtypes) > 1:
             listing = ", ".join(f"{n}: {p.dtype}" for n, p, _ in named_params)
@@ -100,8 +110,16 @@ class FSDPParamGroup:
                 raise NotImplementedError(
                     f"pydist.fully_shard({label}): parameter {n} is on {p.device}; this first slice shards CPU parameters only"
                 )
+        if param_dtype is not None and not sharded:
+            raise NotImplementedError(f"pydist FSDP ({label}): mixed precision with NO_SHARD is not implemented yet")
         self.label = label  # the module's class, then (root lazy init) its name under the root: records, errors
+        # The shards' dtype: theirs, their gradients' and the optimizer's.
         self.dtype = dtypes.pop()
+        # Mixed precision (see [Note: mixed precision]): the dtype forward and
+        # backward compute in (the unsharded buffer's), and the one gradients
+        # are reduced in.
+        self.compute_dtype = param_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.rank = rank
         # Ranks the parameters are sharded over: the group's size, or 1 for
         # NO_SHARD (every rank keeps everything, gradients are all-reduced).
@@ -133,7 +151,7 @@ class FSDPParamGroup:
         # The all-gather's output; the unsharded parameters are views of it.
         # Holds memory only while unsharded: see [Note: the unsharded buffer's memory].
         if sharded:
-            self.unsharded = torch.empty(self.padded_numel, dtype=self.dtype)
+            self.unsharded = torch.empty(self.padded_numel, dtype=self.compute_dtype)
             self.unsharded.untyped_storage().resize_(0)
         else:
             self.unsharded = self.shard
@@ -172,7 +190,8 @@ class FSDPParamGroup:
         self._check_transport("unshard")
         self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
         self._unshard_issue = (time.monotonic_ns(), phase)
-        self._unshard_future = collectives.all_gather_unit(self.transport, self.shard, self.unsharded)
+        shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        self._unshard_future = collectives.all_gather_unit(self.transport, shard, self.unsharded)
         self.sharded_state = ShardedState.UNSHARDING
 
     def _wait_all_gather(self) -> None:
@@ -223,19 +242,21 @@ class FSDPParamGroup:
         self.wait_for_unshard("backward")
         return True
 
+    # [Note: the per-gradient seam]
+    # Packing happens per unit, from Python, once all of the unit's gradients
+    # exist (post_backward -> _grad_segments -> pack_grads: one fused C++ copy
+    # per run of gradients, 1/N folded in). The step that moves this into C++
+    # replaces exactly these three: a post-accumulate-grad hook per parameter
+    # that copies each gradient into the reduce-scatter input as it lands and
+    # launches the input in chunks as they fill, as csrc/reducer does per
+    # bucket. The transport calls, finalize_backward and the records stay.
     def post_backward(self) -> None:
         """Packs this unit's gradients into the reduce-scatter input (1/N folded
-        in) and starts it; reshards. Gradients are all accumulated by now:
-        autograd runs every AccumulateGrad as soon as it is ready, before the
-        node that hands gradients to the unit's inputs, where this is called.
-
-        # [Note: the per-gradient seam] Packing here happens per unit, from
-        # Python, once all of the unit's gradients exist. The step that moves
-        # this into C++ (a post-accumulate-grad hook per parameter copying each
-        # gradient into the reduce-scatter input as it lands, and launching in
-        # chunks, as csrc/reducer does per bucket) replaces this method and
-        # pack_grads; the transport calls and finalize_backward stay.
-        """
+        in) and starts it; reshards. See [Note: the per-gradient seam].
+        Gradients are all accumulated by now: autograd runs every
+        AccumulateGrad as soon as it is ready, before the node that hands
+        gradients to the unit's inputs, where this is called; the final
+        callback calls it for the units autograd did not."""
         if self.training_state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
@@ -243,18 +264,22 @@ class FSDPParamGroup:
         if not trainable:
             self._reshard_after_backward()
             return
+        for fp in trainable:
+            fp.accumulate_grad(self.reduce_dtype, keep=not self.requires_gradient_sync)
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
             segments = self._grad_segments()
             self._reduce_issued = time.monotonic_ns()
             if self.sharded:
                 self._reduce = collectives.reduce_scatter_grads(
-                    self.transport, segments, self.padded_numel, self.shard_numel, self.dtype
+                    self.transport, segments, self.padded_numel, self.shard_numel, self.reduce_dtype
                 )
             else:
                 self._reduce = collectives.all_reduce_grads(self.transport, segments, self.padded_numel, self.dtype)
-            for fp in trainable:
-                fp.unsharded_param.grad = None
+            for fp in trainable:  # packed: the reduce-scatter input holds them now
+                fp.accumulated_grad = None
+                if fp.unsharded_param is not None:
+                    fp.unsharded_param.grad = None
         self._reshard_after_backward()
 
     def _reshard_after_backward(self) -> None:
@@ -267,9 +292,9 @@ class FSDPParamGroup:
         run: list[torch.Tensor] = []
         run_start = run_numel = 0
         for fp in self.fsdp_params:
-            grad = fp.unsharded_param.grad if (fp.requires_grad and fp.unsharded_param is not None) else None
-            if grad is not None and not grad.is_contiguous():
-                grad = grad.contiguous()
+            grad = fp.grad_to_reduce() if fp.requires_grad else None
+            if grad is not None:
+                grad = grad.to(self.reduce_dtype).contiguous()  # no copy when it already is
             if grad is None:
                 if run:
                     segments.append(collectives.Segment(run_start, run_numel, run))
@@ -298,7 +323,7 @@ class FSDPParamGroup:
                 for fp in self.fsdp_params:
                     if not fp.requires_grad:
                         continue
-                    grad = reduce.output.narrow(0, fp.local_start - start, fp.local_numel)
+                    grad = reduce.output.narrow(0, fp.local_start - start, fp.local_numel).to(self.dtype)
                     if not self.sharded:
                         grad = grad.view(fp.shape)
                     if fp.sharded_param.grad is None:

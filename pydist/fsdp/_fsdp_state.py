@@ -51,11 +51,12 @@ class FSDPState:
     """One fully_shard'ed module: its unit (None when it manages no
     parameters) and its hooks. The root's state also drives the iteration."""
 
-    def __init__(self, module: nn.Module, param_group: FSDPParamGroup | None, group, shm: bool | None):
+    def __init__(self, module: nn.Module, param_group: FSDPParamGroup | None, group, shm: bool | None, mp_policy=None):
         self.module = module
         self.param_group = param_group
         self.group = group  # the process group the unit is sharded over
         self.shm = shm  # the root's choice of transport: see open_transport
+        self.mp_policy = mp_policy  # torch's MixedPrecisionPolicy: input and output casts here, the rest in the unit
         # Decided at the first forward: the outermost state that runs forward
         # first is the root, and every state under it points at it.
         self.root: FSDPState | None = None
@@ -133,6 +134,9 @@ class FSDPState:
         root = self.root
         if self.is_root:
             self._root_pre_forward()
+        mp = self.mp_policy
+        if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
         pg = self.param_group
         if pg is None:
             return args, kwargs
@@ -151,6 +155,8 @@ class FSDPState:
             # The root keeps its parameters for backward, unless there is none.
             reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
             pg.post_forward(reshard)
+        if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
             flat, _ = tree_flatten(output)
             for t in flat:
@@ -189,6 +195,12 @@ class FSDPState:
         for i, t in zip(positions, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    flat, spec = tree_flatten(tree)
+    flat = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t for t in flat]
+    return tree_unflatten(flat, spec)
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):

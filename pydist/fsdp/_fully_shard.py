@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -40,7 +39,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     ``FSDPModule``. Call it on submodules first, then on the root.
 
     torch's ``MixedPrecisionPolicy()`` and ``OffloadPolicy()`` are accepted
-    at their defaults; other settings, ``shard_placement_fn``,
+    (``MixedPrecisionPolicy``: see [Note: mixed precision]); CPU offload,
+    ``shard_placement_fn``,
     ``ignored_params``, an int ``reshard_after_forward`` and meshes of more
     than one dimension raise ``NotImplementedError`` naming them. ``shm``
     (pydist's own) picks the transport: see ``open_transport``."""
@@ -48,8 +48,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     _refuse(shard_placement_fn is not None, "shard_placement_fn")
     _refuse(ignored_params, "ignored_params")
     _refuse(not isinstance(reshard_after_forward, bool), f"reshard_after_forward={reshard_after_forward!r} (an int)")
-    if mp_policy is not None and mp_policy != MixedPrecisionPolicy():
-        _refuse(True, f"mp_policy={mp_policy!r} (only the default MixedPrecisionPolicy() so far)")
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
         _refuse(True, f"offload_policy={offload_policy!r} (only OffloadPolicy() so far)")
     if state_of(module) is not None:
@@ -61,8 +60,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         param_group = FSDPParamGroup(
             named, dist.get_rank(group), dist.get_world_size(group), sharded=_sharded,
             reshard_after_forward=reshard_after_forward, label=type(module).__name__,
+            param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         )
-    module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm)
+    module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
     cls = module.__class__
     if not isinstance(module, FSDPModule):
         if cls not in _FSDP_CLASSES:

@@ -125,6 +125,7 @@ class Scenario:
     strategy: str = "FULL_SHARD"  # FSDP1's sharding_strategy
     shm: bool | None = None  # pydist's transport: True shared memory, False the group
     policy: str = "module"  # FSDP1's auto_wrap_policy: "module" (ModuleWrapPolicy) or "size" (size_based, 500)
+    mixed: bool = False  # fsdp2: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every unit
     prefetch: bool = False  # explicit set_modules_to_forward/backward_prefetch (fsdp2, both impls)
 
 
@@ -161,6 +162,10 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int):
             from pydist import fully_shard
 
             kwargs = dict(shm=sc.shm)
+        if sc.mixed:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for m in model.units():
             fully_shard(m, reshard_after_forward=sc.reshard_after_forward, **kwargs)
         fully_shard(model, reshard_after_forward=sc.reshard_after_forward, **kwargs)
@@ -235,7 +240,7 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
         for micro in range(sc.micro_steps):
             x, y = make_batch(sc, rank, step, micro)
             with _sync_context(impl, sc, model, micro == sc.micro_steps - 1):
-                loss = F.mse_loss(model(x), y)
+                loss = F.mse_loss(model(x).float(), y)
                 loss.backward()
             losses.append(loss.item())
         if sc.clip is not None:

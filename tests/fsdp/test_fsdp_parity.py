@@ -8,8 +8,9 @@ units, root parameters before and after them), SGD with momentum and Adam,
 ``reshard_after_forward`` True and False, gradient accumulation through
 ``set_requires_gradient_sync(False)``, frozen and trainable parameters in one
 unit, a shape that pads badly per parameter, explicit forward/backward
-prefetch, the global gradient norm of ``pydist.clip_grad_norm_``, and both
-transports (shared memory and the gloo group).
+prefetch, the global gradient norm of ``pydist.clip_grad_norm_``, bf16
+parameters with fp32 reduction (``MixedPrecisionPolicy``, with and without
+accumulation), and both transports (shared memory and the gloo group).
 """
 
 import pytest
@@ -29,13 +30,15 @@ def test_fully_shard_bitwise_at_two_ranks():
         Scenario(model="badpad", optimizer="adam", shm=True),
         Scenario(model="nested", optimizer="sgd", prefetch=True, shm=True),
         Scenario(model="nested", optimizer="sgd", clip=0.05, steps=3, shm=True),
+        Scenario(model="nested", optimizer="adam", mixed=True, shm=True),
+        Scenario(model="frozen", optimizer="sgd", mixed=True, micro_steps=3, shm=False),
     ]
     results = run_parity(scenarios, 2, timeout=140)
     assert_parity(results, exact=True, scenarios=scenarios)
     for per_rank in results:
         for sc, per_impl in zip(scenarios, per_rank):
             assert per_impl["pydist"].transport == ("shm" if sc.shm else "gloo"), sc
-    clipped = results[0][-1]["pydist"].norms
+    clipped = next(results[0][i]["pydist"].norms for i, sc in enumerate(scenarios) if sc.clip is not None)
     assert clipped and all(n > 0.05 for n in clipped), f"the clip scenario never clipped: norms {clipped}"
     # the ranks saw different data: if their parameters agree, gradients were averaged
     for i in range(len(scenarios)):

@@ -62,11 +62,11 @@ def test_layout_pads_only_at_the_unit_end(world_size):
 
 
 def test_unimplemented_keywords_name_themselves():
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     m = nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError, match="mp_policy"):
-        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="mixed precision with NO_SHARD"):
+        FSDPParamGroup(_named(m), 0, 2, sharded=False, reshard_after_forward=False, label="m", param_dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="offload_policy"):
         fully_shard(m, offload_policy=CPUOffloadPolicy())
     with pytest.raises(NotImplementedError, match="shard_placement_fn"):
