@@ -192,7 +192,15 @@ def _unused_and_memory_rank(rank, world_size, _unused):
     for _ in range(2):
         F.mse_loss(nested(torch.randn(4, 8)), torch.randn(4, 4)).backward()
     record = last_iteration_record(nested)
+    # FSDP2's module methods: an explicit unshard shows full parameters, reshard the shards
+    block = nested.blocks[1]
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    shapes = [tuple(block.proj.weight.shape)]
+    block.reshard()
+    shapes.append(tuple(block.proj.weight.shape))
     return {
+        "shapes": shapes,
         "records": record,
         "unused_match": unused,
         "persistent": tuple(measured),
@@ -211,6 +219,7 @@ def test_unused_on_some_ranks_and_persistent_bytes():
         assert out["unsharded_bytes"] == 0
         assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
         _check_records(out["records"])
+        assert out["shapes"][0] == (24, 24) and len(out["shapes"][1]) == 1, out["shapes"]
 
 
 def _check_records(record):
