@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -256,7 +255,9 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
     return RunResult(losses, norms, _full_params(impl, sc, model), transport)
 
 
-def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist")) -> bytes:
+def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist")) -> list:
+    """Rank entry point: ``[{impl: RunResult}]`` per scenario (pydist.spawn
+    pickles it by value: no tensor shares memory with the rank)."""
     out = []
     for sc in scenarios:
         per_impl = {}
@@ -264,23 +265,14 @@ def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist
             dist.barrier()
             per_impl[impl] = train(rank, world_size, sc, impl)
         out.append(per_impl)
-    return pack(out)
+    return out
 
 
-def pack(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def run_parity(scenarios, world_size: int, timeout: float = 100.0, fn=run_scenarios):
+def run_parity(scenarios, world_size: int, timeout: float = 100.0):
+    """Spawns the ranks; returns ``results[rank][scenario_index][impl]``."""
     from pydist.spawn import run_ranks
 
-    return [unpack(b) for b in run_ranks(fn, world_size, args=(list(scenarios),), timeout=timeout)]
+    return run_ranks(run_scenarios, world_size, args=(list(scenarios),), timeout=timeout)
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_harness import MODELS, Scenario, assert_parity, make_batch, pack, run_parity, unpack
+from fsdp_harness import MODELS, Scenario, assert_parity, make_batch, run_parity
 from pydist.spawn import run_ranks
 
 
@@ -70,13 +70,12 @@ def _state_dict_rank(rank, world_size, _unused):
     c = build("torch", 2)
     set_model_state_dict(c, full_state_dict(b), options=StateDictOptions(full_state_dict=True))
     out["pydist_to_torch"] = (full_state_dict(b), torch_full(c))
-    return pack(out)
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_full_state_dict_moves_both_ways_with_torch_fsdp2():
-    for rank, data in enumerate(run_ranks(_state_dict_rank, 2, args=(None,), timeout=100)):
-        out = unpack(data)
+    for rank, out in enumerate(run_ranks(_state_dict_rank, 2, args=(None,), timeout=100)):
         sd = out["sd_torch"]
         assert list(out["torch_to_pydist"]) == list(sd), "pydist's full state dict keys are not the module's"
         for k in sd:
