@@ -1,6 +1,6 @@
 """``pydist.FullyShardedDataParallel`` against torch's FSDP1 (``device_id=cpu``,
-``use_orig_params=True``), and full state dicts moved between pydist and
-torch FSDP2 in both directions, on spawned gloo ranks."""
+``use_orig_params=True``), its ``sync_module_states``, and full state dicts
+moved between pydist and torch FSDP2 in both directions, on spawned gloo ranks."""
 
 import pytest
 import torch
@@ -70,12 +70,19 @@ def _state_dict_rank(rank, world_size, _unused):
     c = build("torch", 2)
     set_model_state_dict(c, full_state_dict(b), options=StateDictOptions(full_state_dict=True))
     out["pydist_to_torch"] = (full_state_dict(b), torch_full(c))
+    # FSDP1's sync_module_states: every rank starts from rank 0's weights
+    torch.manual_seed(rank)
+    plain = MODELS["mlp"]()
+    initial = {k: v.clone() for k, v in plain.state_dict().items()}
+    synced = pydist.FullyShardedDataParallel(plain, sync_module_states=True, device_id=torch.device("cpu"))
+    out["synced"] = (initial, synced.state_dict())
     return out
 
 
 @pytest.mark.timeout(120)
 def test_full_state_dict_moves_both_ways_with_torch_fsdp2():
-    for rank, out in enumerate(run_ranks(_state_dict_rank, 2, args=(None,), timeout=100)):
+    results = run_ranks(_state_dict_rank, 2, args=(None,), timeout=100)
+    for rank, out in enumerate(results):
         sd = out["sd_torch"]
         assert list(out["torch_to_pydist"]) == list(sd), "pydist's full state dict keys are not the module's"
         for k in sd:
@@ -87,3 +94,8 @@ def test_full_state_dict_moves_both_ways_with_torch_fsdp2():
         mine, theirs = out["pydist_to_torch"]
         for k in mine:
             assert torch.equal(mine[k], theirs[k]), f"rank {rank}: {k} did not load into torch"
+        rank0_initial = results[0]["synced"][0]
+        for k, v in out["synced"][1].items():
+            assert torch.equal(v, rank0_initial[k]), f"rank {rank}: {k} is not rank 0's after sync_module_states"
+        if rank:
+            assert any(not torch.equal(out["synced"][0][k], rank0_initial[k]) for k in rank0_initial)
