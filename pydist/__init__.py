@@ -10,7 +10,24 @@ flatten ops are ``pydist.ops``.
 """
 
 from pydist.ddp import DistributedDataParallel
+from pydist.fsdp import clip_grad_norm_, fully_shard  # sharded data parallelism (pydist/fsdp)
 from pydist.rendezvous import init_process_group  # imports torch.distributed, never MPI
 
-__all__ = ["DistributedDataParallel", "init_process_group"]
+__all__ = [
+    "DistributedDataParallel",
+    "init_process_group",
+    "fully_shard",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "MixedPrecision",
+    "clip_grad_norm_",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # FSDP1's front door imports torch.distributed.fsdp: only when used
+    if name in ("FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision"):
+        import pydist.fsdp
+
+        return getattr(pydist.fsdp, name)
+    raise AttributeError(f"module 'pydist' has no attribute {name!r}")

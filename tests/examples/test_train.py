@@ -250,8 +250,13 @@ def test_fsdp_says_it_is_not_available_yet(capsys):
     with pytest.raises(SystemExit) as exit_info:
         train.parse_args(["--fsdp"])
     assert exit_info.value.code == 2
-    assert "--fsdp: pydist's sharded wrapper (pydist.fully_shard / pydist.FullyShardedDataParallel) is not " \
-           "available yet" in capsys.readouterr().err
+    import pydist
+
+    what = "pydist.fully_shard / pydist.FullyShardedDataParallel"
+    if hasattr(pydist, "fully_shard"):  # the wrapper exists (branch fsdp); the job does not drive it yet
+        assert f"--fsdp: this job does not drive {what} yet" in capsys.readouterr().err
+    else:
+        assert f"--fsdp: pydist's sharded wrapper ({what}) is not available yet" in capsys.readouterr().err
 
 
 @pytest.mark.cuda

@@ -1,0 +1,55 @@
+"""Sharded data parallelism (ZeRO-3) on pydist's transports.
+
+    pydist.fully_shard(module)                       # FSDP2's front door
+    pydist.FullyShardedDataParallel(module, ...)     # FSDP1's
+    pydist.clip_grad_norm_(model.parameters(), 1.0)  # the global norm
+    pydist.fsdp.full_state_dict(model)               # full tensors, unwrapped keys
+
+One file per level, as torch's FSDP2 (torch/distributed/fsdp/_fully_shard/):
+_fsdp_param.py (one parameter), _fsdp_param_group.py (one unit),
+_fsdp_collectives.py (the collectives, through pydist.transport only),
+_fsdp_state.py (the hooks and the root's iteration), _fully_shard.py and
+_fully_sharded_data_parallel.py (the two front doors), _utils.py (state
+dicts, gradient clipping, memory accounting, per-unit records).
+"""
+
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
+from pydist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from pydist.fsdp._utils import (
+    clip_grad_norm_,
+    full_state_dict,
+    last_iteration_record,
+    load_full_state_dict,
+    persistent_bytes,
+)
+
+__all__ = [
+    "fully_shard",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "MixedPrecision",
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FSDPModule",
+    "UnshardHandle",
+    "FSDPParamGroup",
+    "TrainingState",
+    "ShardedState",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "persistent_bytes",
+    "last_iteration_record",
+]
+
+# FSDP1's names come with torch.distributed.fsdp (seconds to import): only
+# when asked for.
+_FSDP1_NAMES = ("FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload")
+
+
+def __getattr__(name):
+    if name in _FSDP1_NAMES:
+        from pydist.fsdp import _fully_sharded_data_parallel
+
+        return getattr(_fully_sharded_data_parallel, name)
+    raise AttributeError(f"module 'pydist.fsdp' has no attribute {name!r}")

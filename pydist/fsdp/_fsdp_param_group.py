@@ -1,0 +1,352 @@
+"""One unit of pydist's FSDP: the parameters one ``fully_shard`` call
+manages, communicated together.
+
+[Note: the unit's flat layout]
+A unit's parameters (one dtype) are laid end to end in the order the module
+registers them: the flat layout, ``total`` elements. It is padded at its
+end only, to ``padded = N * shard_numel`` with ``shard_numel =
+ceil(total / N)``, and rank r keeps ``[r * shard_numel, (r+1) * shard_numel)``
+in one contiguous shard buffer. So the shards *are* the all-gather's input
+and the all-gather's output *is* the unsharded parameters (each a view of
+it): no copy in or out, and at most N - 1 padding elements per unit where
+torch's FSDP2 pads every parameter's dim 0 to a multiple of N (a
+``Linear(4096, 1)`` + ``Linear(1, 4096)`` pair at 4 ranks: 2.0x the bytes
+there, ~1.0x here). The reduce-scatter input is the same layout, holding
+the gradients, so rank r receives exactly the gradient of its shard.
+
+[Note: the unsharded buffer's memory]
+Autograd keeps the unsharded parameters a unit's forward used (``Linear``
+saves its weight) and reads them in backward. As torch's FSDP2 does,
+``reshard`` gives the buffer's memory back (``untyped_storage().resize_(0)``)
+and ``unshard`` gives it memory again and all-gathers into it: the tensors
+autograd saved are views of that same storage, so backward reads the
+re-gathered values, and the version counters are left alone (see
+``all_gather_unit``). A pool of buffers shared between units (prefetch depth
++ 1) cannot be had this way, since a saved view pins its unit's storage
+object; it needs saved-tensor hooks that re-point saved views at whichever
+pool buffer holds the unit in backward. Not done yet: each unit has its own
+storage, holding memory only while unsharded.
+
+[Note: mixed precision]
+With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the
+shard stays fp32 (what the optimizer steps on); ``unshard`` casts it to
+``param_dtype`` and all-gathers that, so the unsharded buffer, forward and
+backward are bf16; ``post_backward`` casts the bf16 gradients to
+``reduce_dtype`` as it packs them and reduce-scatters in fp32; the reduced
+shard is cast to the shard's dtype for ``.grad``. These are the casts torch's
+FSDP2 makes, in the same places, so the results are bitwise its at two ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+
+from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
+
+__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord"]
+
+
+class CollectiveRecord(NamedTuple):
+    """One collective of one unit in one iteration, on time.monotonic_ns's
+    clock, as the DDP reducer keeps per bucket: so exposed communication can
+    be attributed to a unit."""
+
+    unit: str  # the unit's module name under the root ("" for the root)
+    kind: str  # "all_gather" or "reduce_scatter"
+    phase: str  # all-gathers: "forward", "backward", "forward_prefetch", "backward_prefetch", "explicit"; "backward"
+    issued_ns: int  # handed to the transport
+    needed_ns: int  # the compute thread began waiting for it
+    completed_ns: int  # the transport finished it (-1: not stamped)
+
+    @property
+    def exposed_ns(self) -> int:
+        """How long the compute thread waited for it."""
+        return max(0, self.completed_ns - self.needed_ns) if self.completed_ns >= 0 else 0
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in an iteration."""
+
+    IDLE = enum.auto()  # between iterations (or not yet run this one)
+    FORWARD = enum.auto()  # its module's forward is running
+    PRE_BACKWARD = enum.auto()  # unsharded for its backward
+    POST_BACKWARD = enum.auto()  # its gradients are reduced or being reduced this backward
+
+
+class ShardedState(enum.Enum):
+    SHARDED = enum.auto()  # the shard only; the unsharded buffer has no memory
+    UNSHARDING = enum.auto()  # all-gather in flight into the unsharded buffer
+    UNSHARDED = enum.auto()  # full parameters registered on the modules
+
+
+class FSDPParamGroup:
+    """The parameters of one unit, their shard buffer and their collectives.
+
+    Lifecycle per iteration: ``pre_forward`` (unshard, wait) ->
+    ``post_forward`` (reshard if reshard_after_forward) -> ``pre_backward``
+    (unshard again, prefetch the next unit) -> ``post_backward`` (pack the
+    gradients, start the reduce-scatter, reshard) -> ``finalize_backward``
+    (wait, hand the shards their ``.grad``). See [Note: the unit's flat layout].
+    """
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter, list[ParamModuleInfo]]],
+                 rank: int, world_size: int, sharded: bool, reshard_after_forward: bool, label: str,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+        dtypes = {p.dtype for _, p, _ in named_params}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{n}: {p.dtype}" for n, p, _ in named_params)
+            raise NotImplementedError(
+                f"pydist.fully_shard({label}): the parameters of one unit must share a dtype ({listing}); "
+                "call fully_shard on submodules so each unit has one dtype"
+            )
+        for n, p, _ in named_params:
+            if p.device.type != "cpu":
+                raise NotImplementedError(
+                    f"pydist.fully_shard({label}): parameter {n} is on {p.device}; this first slice shards CPU parameters only"
+                )
+        if param_dtype is not None and not sharded:
+            raise NotImplementedError(f"pydist FSDP ({label}): mixed precision with NO_SHARD is not implemented yet")
+        self.label = label  # the module's class, then (root lazy init) its name under the root: records, errors
+        # The shards' dtype: theirs, their gradients' and the optimizer's.
+        self.dtype = dtypes.pop()
+        # Mixed precision (see [Note: mixed precision]): the dtype forward and
+        # backward compute in (the unsharded buffer's), and the one gradients
+        # are reduced in.
+        self.compute_dtype = param_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.rank = rank
+        # Ranks the parameters are sharded over: the group's size, or 1 for
+        # NO_SHARD (every rank keeps everything, gradients are all-reduced).
+        self.shard_world_size = world_size if sharded else 1
+        self.world_size = world_size
+        self.sharded = sharded
+        self.total_numel = sum(p.numel() for _, p, _ in named_params)
+        self.shard_numel = -(-self.total_numel // self.shard_world_size)
+        self.padded_numel = self.shard_numel * self.shard_world_size
+        shard_start = self.rank * self.shard_numel if sharded else 0
+        # This rank's shard of the flat layout; the sharded parameters are
+        # views of it. Lives as long as the unit.
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype)
+        with torch.no_grad():
+            full = torch.zeros(self.padded_numel, dtype=self.dtype)
+            if named_params:
+                from pydist import ops
+
+                ops.flatten([p.detach() for _, p, _ in named_params], out=full.narrow(0, 0, self.total_numel))
+            self.shard.copy_(full.narrow(0, shard_start, self.shard_numel))
+            del full
+        self.fsdp_params: list[FSDPParam] = []
+        offset = 0
+        for fqn, p, infos in named_params:
+            self.fsdp_params.append(FSDPParam(p, infos, fqn, offset, self.shard, shard_start))
+            offset += p.numel()
+        for fp in self.fsdp_params:
+            fp.param_group = self  # the unit a shard belongs to, for clip_grad_norm_ and state dicts
+        # The all-gather's output; the unsharded parameters are views of it.
+        # Holds memory only while unsharded: see [Note: the unsharded buffer's memory].
+        if sharded:
+            self.unsharded = torch.empty(self.padded_numel, dtype=self.compute_dtype)
+            self.unsharded.untyped_storage().resize_(0)
+        else:
+            self.unsharded = self.shard
+            for fp in self.fsdp_params:
+                fp.init_unsharded_param(self.shard)
+                fp.sharded_param = fp.unsharded_param  # NO_SHARD: the module keeps full parameters
+                fp.sharded_param._pydist_fsdp_param = fp
+        for fp in self.fsdp_params:
+            fp.to_sharded()
+        # NO_SHARD units are unsharded for good: unshard and reshard do nothing.
+        self.sharded_state = ShardedState.SHARDED if sharded else ShardedState.UNSHARDED
+        self.training_state = TrainingState.IDLE
+        # Set by the root at its lazy init: the transport every unit of the
+        # root shares (see [Note: which transport carries a sharded unit]).
+        self.transport = None
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        # The all-gather in flight while UNSHARDING (an UnshardResult), and
+        # (issued_ns, phase) for its record.
+        self._unshard_future = None
+        self._unshard_issue: tuple[int, str] = (0, "")
+        # This iteration's collectives (the root clears them at its pre-forward).
+        self.records: list[CollectiveRecord] = []
+        # The reduce-scatter started in post_backward, waited in finalize_backward,
+        # and when it was started.
+        self._reduce: collectives.ReduceScatterResult | None = None
+        self._reduce_issued = 0
+
+    # --- unshard / wait_for_unshard / reshard ---------------------------------
+
+    def unshard(self, phase: str = "explicit") -> None:
+        """Starts the all-gather of the unit's parameters (no-op unless SHARDED)."""
+        if self.sharded_state != ShardedState.SHARDED:
+            return
+        self._check_transport("unshard")
+        self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
+        self._unshard_issue = (time.monotonic_ns(), phase)
+        shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        self._unshard_future = collectives.all_gather_unit(self.transport, shard, self.unsharded)
+        self.sharded_state = ShardedState.UNSHARDING
+
+    def _wait_all_gather(self) -> None:
+        needed = time.monotonic_ns()
+        completed = self._unshard_future.wait()
+        self._unshard_future = None
+        issued, phase = self._unshard_issue
+        self.records.append(CollectiveRecord(self.label, "all_gather", phase, issued, needed, completed))
+
+    def wait_for_unshard(self, phase: str = "explicit") -> None:
+        """Waits for the all-gather and registers the full parameters on the modules."""
+        if self.sharded_state == ShardedState.SHARDED:
+            self.unshard(phase)
+        if self.sharded_state == ShardedState.UNSHARDING:
+            self._wait_all_gather()
+            for fp in self.fsdp_params:
+                fp.init_unsharded_param(self.unsharded)
+                fp.to_unsharded()
+            self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Registers the shards on the modules and gives the buffer's memory back."""
+        if not self.sharded or self.sharded_state == ShardedState.SHARDED:
+            return
+        if self.sharded_state == ShardedState.UNSHARDING:
+            self._wait_all_gather()  # the transport is still writing the buffer
+        for fp in self.fsdp_params:
+            fp.to_sharded()
+        self.unsharded.untyped_storage().resize_(0)
+        self.sharded_state = ShardedState.SHARDED
+
+    # --- the iteration ---------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        self.training_state = TrainingState.FORWARD
+        self.wait_for_unshard("forward")
+
+    def post_forward(self, reshard: bool) -> None:
+        if reshard:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> bool:
+        """Unshards for this unit's backward; False when it already ran this backward."""
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return False
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.wait_for_unshard("backward")
+        return True
+
+    # [Note: the per-gradient seam]
+    # Packing happens per unit, from Python, once all of the unit's gradients
+    # exist (post_backward -> _grad_segments -> pack_grads: one fused C++ copy
+    # per run of gradients, 1/N folded in). The step that moves this into C++
+    # replaces exactly these three: a post-accumulate-grad hook per parameter
+    # that copies each gradient into the reduce-scatter input as it lands and
+    # launches the input in chunks as they fill, as csrc/reducer does per
+    # bucket. The transport calls, finalize_backward and the records stay.
+    def post_backward(self) -> None:
+        """Packs this unit's gradients into the reduce-scatter input (1/N folded
+        in) and starts it; reshards. See [Note: the per-gradient seam].
+        Gradients are all accumulated by now: autograd runs every
+        AccumulateGrad as soon as it is ready, before the node that hands
+        gradients to the unit's inputs, where this is called; the final
+        callback calls it for the units autograd did not."""
+        if self.training_state == TrainingState.POST_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        if not trainable:
+            self._reshard_after_backward()
+            return
+        for fp in trainable:
+            fp.accumulate_grad(self.reduce_dtype, keep=not self.requires_gradient_sync)
+        if self.requires_gradient_sync:
+            self._check_transport("post_backward")
+            segments = self._grad_segments()
+            self._reduce_issued = time.monotonic_ns()
+            if self.sharded:
+                self._reduce = collectives.reduce_scatter_grads(
+                    self.transport, segments, self.padded_numel, self.shard_numel, self.reduce_dtype
+                )
+            else:
+                self._reduce = collectives.all_reduce_grads(self.transport, segments, self.padded_numel, self.dtype)
+            for fp in trainable:  # packed: the reduce-scatter input holds them now
+                fp.accumulated_grad = None
+                if fp.unsharded_param is not None:
+                    fp.unsharded_param.grad = None
+        self._reshard_after_backward()
+
+    def _reshard_after_backward(self) -> None:
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _grad_segments(self) -> list:
+        """The unit's flat layout as runs of present gradients and gaps."""
+        segments: list[collectives.Segment] = []
+        run: list[torch.Tensor] = []
+        run_start = run_numel = 0
+        for fp in self.fsdp_params:
+            grad = fp.grad_to_reduce() if fp.requires_grad else None
+            if grad is not None:
+                grad = grad.to(self.reduce_dtype).contiguous()  # no copy when it already is
+            if grad is None:
+                if run:
+                    segments.append(collectives.Segment(run_start, run_numel, run))
+                    run = []
+                segments.append(collectives.Segment(fp.offset, fp.numel, None))
+                continue
+            if not run:
+                run_start, run_numel = fp.offset, 0
+            run.append(grad)
+            run_numel += fp.numel
+        if run:
+            segments.append(collectives.Segment(run_start, run_numel, run))
+        return segments
+
+    def finalize_backward(self) -> None:
+        """Waits for the reduce-scatter and hands each shard its ``.grad`` (a
+        view of the reduced shard; added to a ``.grad`` the user kept)."""
+        reduce, self._reduce = self._reduce, None
+        if reduce is not None:
+            needed = time.monotonic_ns()
+            completed = reduce.future.wait()
+            kind = "reduce_scatter" if self.sharded else "all_reduce"
+            self.records.append(CollectiveRecord(self.label, kind, "backward", self._reduce_issued, needed, completed))
+            start = self.rank * self.shard_numel if self.sharded else 0
+            with torch.no_grad():
+                for fp in self.fsdp_params:
+                    if not fp.requires_grad:
+                        continue
+                    grad = reduce.output.narrow(0, fp.local_start - start, fp.local_numel).to(self.dtype)
+                    if not self.sharded:
+                        grad = grad.view(fp.shape)
+                    if fp.sharded_param.grad is None:
+                        fp.sharded_param.grad = grad
+                    else:
+                        fp.sharded_param.grad += grad
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # --- helpers -------------------------------------------------------------
+
+    def _check_transport(self, where: str) -> None:
+        if self.transport is None:
+            raise RuntimeError(
+                f"pydist FSDP unit {self.label!r}: {where} before the root's first forward opened the transport; "
+                "run a forward of the root module (the outermost fully_shard'ed one) first"
+            )
+
+    def persistent_bytes(self) -> int:
+        """Bytes this unit holds between iterations: its shard buffer (the
+        sharded gradients are views of a reduce output of the same size)."""
+        return self.shard.untyped_storage().nbytes()
+
+    def __repr__(self) -> str:
+        return (f"FSDPParamGroup({self.label!r}, {len(self.fsdp_params)} params, total={self.total_numel}, "
+                f"shard={self.shard_numel}, {self.sharded_state.name}, {self.training_state.name})")

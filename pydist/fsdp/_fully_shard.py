@@ -1,0 +1,177 @@
+"""``pydist.fully_shard``: torch FSDP2's front door on pydist's engine.
+
+    for block in model.blocks:
+        pydist.fully_shard(block)          # bottom-up: each block one unit
+    pydist.fully_shard(model)              # then the root: what is left
+    opt = torch.optim.AdamW(model.parameters())   # the local shards
+
+See [Note: what the optimizer sees] (pydist/fsdp/_fsdp_param.py) for what
+``model.parameters()`` holds, [Note: the unit's flat layout] for how a unit
+is sharded and [Note: the order of an iteration] for the hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from pydist.fsdp._fsdp_param import ParamModuleInfo
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup
+from pydist.fsdp._fsdp_state import FSDPState, state_of
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+
+def _torch_policies():
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    return MixedPrecisionPolicy, OffloadPolicy
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, shard_placement_fn=None,
+                mp_policy=None, offload_policy=None, ignored_params=None, shm: bool | None = None,
+                _sharded: bool = True, _process_group=None) -> nn.Module:
+    """Makes ``module``'s parameters not yet managed by a fully_shard'ed
+    submodule one unit, sharded over ``mesh`` (a 1-D DeviceMesh; None: the
+    default group), and returns ``module``, its class now also an
+    ``FSDPModule``. Call it on submodules first, then on the root.
+
+    torch's ``MixedPrecisionPolicy()`` and ``OffloadPolicy()`` are accepted
+    (``MixedPrecisionPolicy``: see [Note: mixed precision]); CPU offload,
+    ``shard_placement_fn``,
+    ``ignored_params``, an int ``reshard_after_forward`` and meshes of more
+    than one dimension raise ``NotImplementedError`` naming them. ``shm``
+    (pydist's own) picks the transport: see ``open_transport``."""
+    MixedPrecisionPolicy, OffloadPolicy = _torch_policies()
+    _refuse(shard_placement_fn is not None, "shard_placement_fn")
+    _refuse(ignored_params, "ignored_params")
+    _refuse(not isinstance(reshard_after_forward, bool), f"reshard_after_forward={reshard_after_forward!r} (an int)")
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        _refuse(True, f"offload_policy={offload_policy!r} (only OffloadPolicy() so far)")
+    if state_of(module) is not None:
+        raise RuntimeError(f"pydist.fully_shard: {type(module).__name__} is already fully_shard'ed")
+    group = _process_group if _process_group is not None else _group_of(mesh)
+    named = _managed_params(module)
+    param_group = None
+    if named:
+        param_group = FSDPParamGroup(
+            named, dist.get_rank(group), dist.get_world_size(group), sharded=_sharded,
+            reshard_after_forward=reshard_after_forward, label=type(module).__name__,
+            param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+        )
+    module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
+    cls = module.__class__
+    if not isinstance(module, FSDPModule):
+        if cls not in _FSDP_CLASSES:
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = _FSDP_CLASSES[cls]
+    return module
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _refuse(condition, what: str) -> None:
+    if condition:
+        raise NotImplementedError(f"pydist.fully_shard: {what} is not implemented yet")
+
+
+def _group_of(mesh):
+    if mesh is None:
+        return dist.group.WORLD
+    if mesh.ndim != 1:
+        _refuse(True, f"a {mesh.ndim}-D mesh (HSDP)")
+    return mesh.get_group()
+
+
+def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamModuleInfo]]]:
+    """(fqn, parameter, where it is registered) for the parameters of
+    ``module`` not managed by a fully_shard'ed submodule, in registration order."""
+    by_id: dict[int, tuple[str, nn.Parameter, list[ParamModuleInfo]]] = {}
+
+    def visit(prefix: str, m: nn.Module, top: bool):
+        if not top and state_of(m) is not None:
+            return
+        for name, p in m._parameters.items():
+            if p is None or hasattr(p, "_pydist_fsdp_param"):
+                continue
+            entry = by_id.setdefault(id(p), (prefix + name, p, []))
+            entry[2].append(ParamModuleInfo(m, name))
+        for child_name, child in m._modules.items():
+            if child is not None:
+                visit(f"{prefix}{child_name}.", child, False)
+
+    visit("", module, True)
+    return list(by_id.values())
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` it."""
+
+    def __init__(self, param_group: FSDPParamGroup | None):
+        self._param_group = param_group
+
+    def wait(self) -> None:
+        if self._param_group is not None:
+            self._param_group.wait_for_unshard()
+            self._param_group = None
+
+
+class FSDPModule:
+    """Mixed into a fully_shard'ed module's class: FSDP2's module methods."""
+
+    def _fsdp_states(self, recurse: bool):
+        modules = self.modules() if recurse else [self]
+        return [s for m in modules if (s := state_of(m)) is not None]
+
+    def _param_groups(self, recurse: bool):
+        return [s.param_group for s in self._fsdp_states(recurse) if s.param_group is not None]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gathers this module's unit (not its children's). After the root's first forward."""
+        pg = state_of(self).param_group
+        if pg is not None:
+            pg.unshard()
+        handle = UnshardHandle(pg)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        pg = state_of(self).param_group
+        if pg is not None:
+            pg.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates unsharded gradients without reducing
+        them (gradient accumulation); the next backward with True reduces the sum."""
+        for pg in self._param_groups(recurse):
+            pg.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for pg in self._param_groups(recurse):
+            pg.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        for pg in self._param_groups(recurse):
+            pg.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: Iterable[nn.Module]) -> None:
+        state_of(self).forward_prefetch = [_state_or_raise(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Iterable[nn.Module]) -> None:
+        state_of(self).backward_prefetch = [_state_or_raise(m) for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        raise NotImplementedError("pydist.fully_shard: set_is_last_backward is not implemented yet")
+
+
+def _state_or_raise(module: nn.Module) -> FSDPState:
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not fully_shard'ed; only FSDPModules can be prefetched")
+    return state

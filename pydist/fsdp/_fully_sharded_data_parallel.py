@@ -1,0 +1,159 @@
+"""``pydist.FullyShardedDataParallel``: torch FSDP1's front door, mapped
+onto the engine ``pydist.fully_shard`` drives.
+
+    model = pydist.FullyShardedDataParallel(
+        model, sharding_strategy=pydist.ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+
+[Note: FSDP1 on the FSDP2 engine]
+Each module the ``auto_wrap_policy`` picks (torch's ``ModuleWrapPolicy``,
+``CustomPolicy``, or a function such as ``size_based_auto_wrap_policy``,
+run as torch runs it) becomes a unit with ``fully_shard``, bottom-up, and
+the wrapped module is the root unit. Unlike torch's FSDP1, nested units are
+not replaced by wrapper modules: the module tree keeps its classes and
+names, and only the outermost object is a ``FullyShardedDataParallel``
+(``.module`` is the wrapped module). Strategies map as
+  FULL_SHARD     -> reshard_after_forward=True
+  SHARD_GRAD_OP  -> reshard_after_forward=False
+  NO_SHARD       -> every rank keeps the whole unit; gradients all-reduced
+The parameters are the originals' local shards (``use_orig_params=True``
+only; see [Note: what the optimizer sees]), ``state_dict()`` is the full
+state dict (FSDP1's default ``FULL_STATE_DICT``) under the unwrapped keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+
+from pydist.fsdp._fully_shard import fully_shard
+from pydist.fsdp._fsdp_state import state_of
+from pydist.fsdp._utils import clip_grad_norm_, full_state_dict, load_full_state_dict
+
+__all__ = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload"]
+
+_RESHARD_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD: True, ShardingStrategy.SHARD_GRAD_OP: False, ShardingStrategy.NO_SHARD: False}
+
+
+def _refuse(condition, what: str) -> None:
+    if condition:
+        raise NotImplementedError(f"pydist.FullyShardedDataParallel: {what} is not implemented yet")
+
+
+class FullyShardedDataParallel(nn.Module):
+    """See [Note: FSDP1 on the FSDP2 engine]. ``shm`` (pydist's own) picks the
+    transport: see ``pydist.fsdp._fsdp_collectives.open_transport``."""
+
+    def __init__(self, module: nn.Module, process_group=None, sharding_strategy: ShardingStrategy | None = None,
+                 cpu_offload: CPUOffload | None = None, auto_wrap_policy=None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision: MixedPrecision | None = None, ignored_modules=None, param_init_fn=None,
+                 device_id=None, sync_module_states: bool = False, forward_prefetch: bool = False,
+                 limit_all_gathers: bool = True, use_orig_params: bool = True, ignored_states=None,
+                 device_mesh=None, *, shm: bool | None = None):
+        super().__init__()
+        strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
+        _refuse(strategy not in _RESHARD_AFTER_FORWARD, f"sharding_strategy={strategy}")
+        _refuse(isinstance(process_group, tuple), "a (shard, replicate) process_group pair (HSDP)")
+        _refuse(cpu_offload is not None and cpu_offload.offload_params, "cpu_offload=CPUOffload(offload_params=True)")
+        _refuse(mixed_precision is not None and mixed_precision != MixedPrecision(), f"mixed_precision={mixed_precision}")
+        _refuse(ignored_modules, "ignored_modules")
+        _refuse(ignored_states, "ignored_states")
+        _refuse(param_init_fn is not None, "param_init_fn")
+        _refuse(forward_prefetch, "forward_prefetch=True")
+        _refuse(backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE), f"backward_prefetch={backward_prefetch}")
+        _refuse(not use_orig_params, "use_orig_params=False")
+        _refuse(device_id is not None and torch.device(device_id).type != "cpu", f"device_id={device_id}")
+        group = process_group
+        if device_mesh is not None:
+            _refuse(device_mesh.ndim != 1, f"a {device_mesh.ndim}-D device_mesh")
+            group = device_mesh.get_group()
+        group = group if group is not None else dist.group.WORLD
+        if sync_module_states:
+            _broadcast_module_states(module, group)
+        self._fsdp_wrapped_module = module
+        self.sharding_strategy = strategy
+        kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
+                      _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group)
+        targets = _wrap_targets(module, auto_wrap_policy)
+        for m in reversed(list(module.modules())):  # children before their parents
+            if m is not module and m in targets:
+                fully_shard(m, **kwargs)
+        fully_shard(module, **kwargs)
+        if backward_prefetch is None:
+            for m in module.modules():
+                if (s := state_of(m)) is not None:
+                    s.backward_prefetch = []
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        """The wrapped module's parameters (local shards) under its own names."""
+        return self._fsdp_wrapped_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates gradients without reducing them; the
+        first backward outside reduces the sum."""
+        self._fsdp_wrapped_module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._fsdp_wrapped_module.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips by the global norm of every rank's gradients; returns it."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    def state_dict(self, *args, **kwargs):
+        """The full state dict (collective), under the unwrapped module's keys."""
+        _refuse(args or kwargs, "state_dict arguments")
+        return full_state_dict(self._fsdp_wrapped_module)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        _refuse(assign, "load_state_dict(assign=True)")
+        load_full_state_dict(self._fsdp_wrapped_module, state_dict)
+
+
+def _wrap_targets(root: nn.Module, policy) -> set:
+    """The modules torch's FSDP1 would wrap under ``policy`` (the root aside)."""
+    if policy is None:
+        return set()
+    from torch.distributed.fsdp.wrap import _Policy
+
+    if isinstance(policy, _Policy):
+        return set(policy._run_policy(root, set(), {}))
+    targets: set = set()
+
+    def recurse(module: nn.Module) -> int:
+        # torch.distributed.fsdp.wrap._recursive_wrap, without the wrapping:
+        # returns the number of parameters wrapped in module's subtree.
+        nonwrapped = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+            return 0
+        wrapped = sum(recurse(child) for child in module.children())
+        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=nonwrapped - wrapped):
+            targets.add(module)
+            return nonwrapped
+        return wrapped
+
+    recurse(root)
+    return targets
+
+
+def _broadcast_module_states(module: nn.Module, group) -> None:
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)

@@ -1,0 +1,178 @@
+"""What needs the global view of sharded parameters: full state dicts,
+gradient clipping by the global norm, and memory accounting."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.fsdp._fsdp_state import FSDPState, state_of
+
+__all__ = ["full_state_dict", "load_full_state_dict", "clip_grad_norm_", "persistent_bytes", "PersistentBytes",
+           "last_iteration_record", "IterationRecord"]
+
+
+def _root_state(module: nn.Module) -> FSDPState:
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not fully_shard'ed; pass the root module")
+    if state.root is None:
+        state._lazy_init()  # collective: opens the transport, as a first forward would
+    return state
+
+
+def _units(module: nn.Module):
+    return [s.param_group for m in module.modules() if (s := state_of(m)) is not None and s.param_group is not None]
+
+
+def _gather_full_flat(pg) -> torch.Tensor:
+    if not pg.sharded:
+        return pg.shard
+    full = torch.empty(pg.padded_numel, dtype=pg.dtype)
+    collectives.all_gather_unit(pg.transport, pg.shard, full).wait()
+    return full
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: ``module.state_dict()`` with every sharded parameter
+    replaced by its full tensor (a fresh copy), under the unwrapped module's
+    keys, on every rank. Call it between iterations."""
+    _root_state(module)
+    full_by_id: dict[int, torch.Tensor] = {}
+    for pg in _units(module):
+        flat = _gather_full_flat(pg)
+        for fp in pg.fsdp_params:
+            full_by_id[id(fp.sharded_param)] = flat.narrow(0, fp.offset, fp.numel).view(fp.shape).clone()
+    sd = module.state_dict()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in full_by_id and name in sd:
+            sd[name] = full_by_id[id(p)]
+    return sd
+
+
+def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Loads full tensors (``full_state_dict``'s keys; any world size saved
+    them) into this rank's shards; buffers and unsharded parameters load as
+    ``load_state_dict`` would."""
+    _root_state(module)
+    by_id = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    rest = dict(state_dict)
+    with torch.no_grad():
+        for pg in _units(module):
+            for fp in pg.fsdp_params:
+                name = by_id.get(id(fp.sharded_param))
+                if name is None or name not in state_dict:
+                    raise KeyError(f"pydist load_full_state_dict: no entry for parameter {fp.fqn!r}")
+                full = rest.pop(name).reshape(-1)
+                if full.numel() != fp.numel:
+                    raise ValueError(f"load_full_state_dict: {name} has {full.numel()} elements, the parameter {fp.numel}")
+                if fp.local_numel:
+                    fp.sharded_param.reshape(-1).copy_(full.narrow(0, fp.local_start - fp.offset, fp.local_numel))
+    managed = set(by_id.values())
+    for name in [n for n in rest if n in managed]:
+        rest.pop(name)  # the other names of a shared parameter
+    module.load_state_dict(rest, strict=False)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the *global* gradients: the
+    norm of every rank's shards together (one small collective), plus the
+    gradients of parameters fully_shard does not manage, counted once.
+    Returns the total norm, the same on every rank."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    sharded, replicated, transport = [], [], None
+    for p in params:
+        fp = getattr(p, "_pydist_fsdp_param", None)
+        if fp is not None and fp.param_group.sharded:
+            sharded.append(p.grad)
+            transport = fp.param_group.transport
+        else:
+            replicated.append(p.grad)
+    if not params:
+        return torch.tensor(0.0)
+    dtype = params[0].grad.dtype
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in sharded if g.numel()] or [torch.zeros((), dtype=dtype)])
+        total = local.max()
+        if transport is not None:
+            total = collectives.all_gather_small(transport, total.reshape(1)).max()
+        for g in replicated:
+            total = torch.maximum(total, g.abs().max())
+    else:
+        def powsum(grads):
+            if not grads:
+                return torch.zeros((), dtype=dtype)
+            return torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]).pow(norm_type).sum()
+
+        total = powsum(sharded)
+        if transport is not None:
+            total = collectives.all_reduce_sum(transport, total.reshape(1)).reshape(())
+        total = (total + powsum(replicated)).pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"pydist.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+class PersistentBytes(NamedTuple):
+    """Bytes one rank holds between iterations, each storage counted once."""
+
+    params: int  # the units' shard buffers (padding included) and unmanaged parameters
+    grads: int  # the storages the parameters' .grad live in
+    optimizer: int  # the optimizer's state tensors (0 without one)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+class IterationRecord(NamedTuple):
+    """The collectives of the last iteration of a root, per unit."""
+
+    collectives: list  # CollectiveRecord, by unit in module order, each unit's in the order waited
+    backward_end_ns: int  # autograd finished (the root's final callback began); -1 without backward
+
+    def exposed_ns(self) -> int:
+        return sum(r.exposed_ns for r in self.collectives)
+
+
+def last_iteration_record(module: nn.Module) -> IterationRecord:
+    """What the root ``module``'s units recorded in its last iteration."""
+    state = _root_state(module)
+    return IterationRecord([r for pg in _units(module) for r in pg.records], state.backward_end_ns)
+
+
+def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PersistentBytes:
+    """What ``module`` (and ``optimizer``) keep on this rank between
+    iterations: the sum of the distinct storages behind its parameters,
+    their gradients and the optimizer's state. The unsharded buffers hold
+    no memory then (see [Note: the unsharded buffer's memory])."""
+    seen: set[int] = set()
+
+    def storage_bytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    params = list(module.parameters())
+    opt_state = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            opt_state.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return PersistentBytes(storage_bytes(params), storage_bytes(p.grad for p in params), storage_bytes(opt_state))

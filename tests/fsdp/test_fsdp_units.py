@@ -1,0 +1,244 @@
+"""The pieces of pydist's FSDP on their own: the unit's flat layout (in one
+process), the collectives on both transports with integer-valued floats
+(exact answers), the keywords not implemented, and the module methods."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist.fsdp import FSDPParamGroup, fully_shard
+from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.fsdp._fsdp_param import ParamModuleInfo
+from pydist.spawn import run_ranks
+
+
+def _named(module):
+    return [(n, p, [ParamModuleInfo(*_owner(module, n))]) for n, p in module.named_parameters()]
+
+
+def _owner(module, fqn):
+    *path, name = fqn.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, name
+
+
+def torch_fsdp2_padded_numel(params, world_size):
+    """What FSDP2's per-parameter dim-0 sharding holds in total (padding included)."""
+    total = 0
+    for p in params:
+        rows = -(-p.shape[0] // world_size) * world_size
+        total += rows * (p.numel() // p.shape[0])
+    return total
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 3])
+def test_layout_pads_only_at_the_unit_end(world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(255, 1), nn.Linear(1, 255))  # 1 and 255 rows: bad for dim-0 sharding
+    full = [p.detach().clone() for p in model.parameters()]
+    total = sum(p.numel() for p in full)
+    flat = torch.cat([p.reshape(-1) for p in full])
+    shards = []
+    for rank in range(world_size):
+        m = nn.Sequential(nn.Linear(255, 1), nn.Linear(1, 255))
+        m.load_state_dict(dict(zip(["0.weight", "0.bias", "1.weight", "1.bias"], full)))
+        pg = FSDPParamGroup(_named(m), rank, world_size, sharded=True, reshard_after_forward=True, label="m")
+        assert pg.padded_numel - total < world_size  # at most N - 1 padding elements, all at the end
+        assert pg.shard_numel == -(-total // world_size)
+        shards.append(pg.shard.clone())
+        # each parameter the module now holds is this rank's slice of its flattened self
+        for fp in pg.fsdp_params:
+            assert m.get_parameter(fp.fqn) is fp.sharded_param and fp.sharded_param.dim() == 1
+            want = flat[fp.local_start:fp.local_end]
+            assert torch.equal(fp.sharded_param.detach(), want), fp
+            assert fp.sharded_param.untyped_storage().data_ptr() == pg.shard.untyped_storage().data_ptr()
+        assert pg.persistent_bytes() == pg.shard_numel * 4
+    gathered = torch.cat(shards)
+    assert torch.equal(gathered[:total], flat) and not gathered[total:].any()
+    # torch FSDP2 pads every parameter's dim 0: about 2x here at 4 ranks
+    if world_size == 4:
+        assert torch_fsdp2_padded_numel(full, world_size) >= 1.49 * total > pg.padded_numel
+
+
+def test_unimplemented_keywords_name_themselves():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    m = nn.Linear(2, 2)
+    with pytest.raises(NotImplementedError, match="mixed precision with NO_SHARD"):
+        FSDPParamGroup(_named(m), 0, 2, sharded=False, reshard_after_forward=False, label="m", param_dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="offload_policy"):
+        fully_shard(m, offload_policy=CPUOffloadPolicy())
+    with pytest.raises(NotImplementedError, match="shard_placement_fn"):
+        fully_shard(m, shard_placement_fn=lambda p: None)
+    with pytest.raises(NotImplementedError, match="reshard_after_forward"):
+        fully_shard(m, reshard_after_forward=2)
+
+
+def _collectives_rank(rank, world_size, shm):
+    import torch.distributed as dist
+
+    t = collectives.open_transport(dist.group.WORLD, shm=shm)
+    out = {"name": t.name}
+    # all-gather: rank r's shard holds 100*r + i
+    shard = torch.arange(5, dtype=torch.float32) + 100 * rank
+    full = torch.empty(5 * world_size)
+    collectives.all_gather_unit(t, shard, full).wait()
+    out["gathered"] = full
+    # reduce-scatter of a unit laid out as [g0 (6), gap (3), g1 (4)] + padding
+    g0 = torch.full((2, 3), float(rank + 1))
+    g1 = torch.arange(4, dtype=torch.float32) * (rank + 1)
+    segs = [collectives.Segment(0, 6, [g0]), collectives.Segment(6, 3, None), collectives.Segment(9, 4, [g1])]
+    shard_numel = -(-13 // world_size)
+    rs = collectives.reduce_scatter_grads(t, segs, shard_numel * world_size, shard_numel, torch.float32)
+    rs.future.wait()
+    out["rs"] = rs.output
+    ar = collectives.all_reduce_grads(t, segs, 13, torch.float32)
+    ar.future.wait()
+    out["ar"] = ar.output
+    out["sum"] = collectives.all_reduce_sum(t, torch.tensor([float(rank + 1)]))
+    out["small"] = collectives.all_gather_small(t, torch.tensor([float(rank)]))
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_collectives_exact(shm):
+    world_size = 2
+    results = run_ranks(_collectives_rank, world_size, args=(shm,), timeout=60)
+    n = world_size
+    mean = sum(range(1, n + 1)) / n  # ranks scale by rank + 1: the average multiplier
+    want_full = torch.cat([torch.arange(5, dtype=torch.float32) + 100 * r for r in range(n)])
+    layout = torch.cat([torch.full((6,), mean), torch.zeros(3), torch.arange(4, dtype=torch.float32) * mean])
+    padded = torch.cat([layout, torch.zeros(-(-13 // n) * n - 13)])
+    for rank, out in enumerate(results):
+        assert out["name"] == ("shm" if shm else "gloo")
+        assert torch.equal(out["gathered"], want_full)
+        s = -(-13 // n)
+        assert torch.equal(out["rs"], padded[rank * s:(rank + 1) * s]), (rank, out["rs"])
+        assert torch.equal(out["ar"], layout)
+        assert out["sum"].item() == sum(range(1, n + 1))
+        assert torch.equal(out["small"].reshape(-1), torch.arange(n, dtype=torch.float32))
+
+
+class SometimesUsed(nn.Module):
+    """One unit whose ``extra`` layer only odd ranks use."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.extra = nn.Linear(6, 6)
+
+    def forward(self, x, use_extra: bool):
+        x = self.body(x)
+        return self.extra(x) if use_extra else x
+
+
+def _unused_and_memory_rank(rank, world_size, _unused):
+    import torch.distributed as dist
+
+    from pydist.fsdp import full_state_dict, persistent_bytes
+
+    # --- a parameter used on some ranks only: its gradient is the average
+    # over the ranks with zeros where it was not used (never a hang). The
+    # oracle: each rank's plain gradients, averaged by hand.
+    torch.manual_seed(0)
+    plain = SometimesUsed()
+    model = SometimesUsed()
+    model.load_state_dict(plain.state_dict())
+    fully_shard(model)
+    use_extra = rank % 2 == 1
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(-2, 3, (4, 6), generator=g).float()
+    plain(x, use_extra).sum().backward()
+    local = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in plain.named_parameters()}
+    every = [None] * world_size
+    dist.all_gather_object(every, local)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(x, use_extra).sum().backward()
+    opt.step()
+    expected = {n: p.detach() - sum(e[n] / world_size for e in every) for n, p in plain.named_parameters()}
+    got = full_state_dict(model)
+    unused = {n: torch.equal(expected[n], got[n]) for n in expected}
+
+    # --- persistent bytes: the shards, their gradients and Adam's state, and
+    # no more; the unsharded buffers hold nothing between iterations.
+    torch.manual_seed(0)
+    big = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    psi = sum(p.numel() for p in big.parameters())
+    for layer in big:
+        fully_shard(layer)
+    fully_shard(big)
+    opt = torch.optim.Adam(big.parameters(), lr=1e-3)
+    big(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    measured = persistent_bytes(big, opt)
+    units = [layer._pydist_fsdp_state.param_group for layer in big]
+    unsharded_bytes = sum(u.unsharded.untyped_storage().nbytes() for u in units)
+    shard_bytes = sum(-(-u.total_numel // world_size) * 4 for u in units)
+    local_numel = sum(p.numel() for p in big.parameters())
+    adam_bytes = 2 * 4 * local_numel + 4 * sum(1 for _ in big.parameters())  # exp_avg, exp_avg_sq, step
+    # --- per-unit records of an iteration of a nested model on shared memory
+    import torch.nn.functional as F
+
+    from fsdp_harness import Nested
+    from pydist.fsdp import last_iteration_record
+
+    torch.manual_seed(0)
+    nested = Nested()
+    for m in nested.units():
+        fully_shard(m, shm=True)
+    fully_shard(nested, shm=True)
+    for _ in range(2):
+        F.mse_loss(nested(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    record = last_iteration_record(nested)
+    # FSDP2's module methods: an explicit unshard shows full parameters, reshard the shards
+    block = nested.blocks[1]
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    shapes = [tuple(block.proj.weight.shape)]
+    block.reshard()
+    shapes.append(tuple(block.proj.weight.shape))
+    return {
+        "shapes": shapes,
+        "records": record,
+        "unused_match": unused,
+        "persistent": tuple(measured),
+        "expected": (shard_bytes, shard_bytes, adam_bytes),
+        "unsharded_bytes": unsharded_bytes,
+        "psi": psi,
+    }
+
+
+@pytest.mark.timeout(90)
+def test_unused_on_some_ranks_and_persistent_bytes():
+    world_size = 2
+    for rank, out in enumerate(run_ranks(_unused_and_memory_rank, world_size, args=(None,), timeout=60)):
+        assert all(out["unused_match"].values()), f"rank {rank}: {out['unused_match']}"
+        assert out["persistent"] == out["expected"], f"rank {rank}: (params, grads, optimizer) {out['persistent']}"
+        assert out["unsharded_bytes"] == 0
+        assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
+        _check_records(out["records"])
+        assert out["shapes"][0] == (24, 24) and len(out["shapes"][1]) == 1, out["shapes"]
+
+
+def _check_records(record):
+    """The shape of an iteration (see [Note: the order of an iteration])."""
+    units = {"", "blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner", "blocks.2", "blocks.2.inner"}
+    by_kind: dict = {}
+    for r in record.collectives:
+        by_kind.setdefault((r.kind, r.phase), []).append(r)
+        assert 0 < r.issued_ns <= r.completed_ns, r
+    assert {r.unit for r in by_kind[("all_gather", "forward")]} == units
+    prefetched = by_kind.get(("all_gather", "backward_prefetch"), [])
+    assert prefetched, "backward prefetched no all-gather"
+    assert all(r.issued_ns < r.needed_ns for r in prefetched)
+    scatters = by_kind[("reduce_scatter", "backward")]
+    assert {r.unit for r in scatters} == units
+    end = record.backward_end_ns
+    for r in scatters:
+        assert r.needed_ns >= end, f"{r.unit}: its reduce-scatter was waited before backward ended"
+        if r.unit == "":  # the root's inputs need no grad: the final callback launches it
+            assert r.issued_ns >= end
+        else:  # launched from inside backward, so it ran while autograd went on
+            assert r.issued_ns < end, f"{r.unit}: reduce-scatter launched only after backward"
