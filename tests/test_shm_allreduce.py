@@ -319,9 +319,9 @@ def _segments() -> set:
 
 
 def _create_and_die(name, names):
-    from pydist.ddp import shm_transport
+    from pydist.transport import shm_segment
 
-    name = name or shm_transport._new_segment_name()  # named as a rank 0 names it
+    name = name or shm_segment._new_segment_name()  # named as a rank 0 names it
     end = _C.ShmTransport(name, 0, 2, create=True, timeout_s=60)  # noqa: F841 - held until the process dies
     names.put(name)
     names.close()
@@ -353,13 +353,13 @@ def test_creator_killed_before_peers_map_leaves_no_segment():
 
 @pytest.mark.timeout(60)
 def test_segment_whose_creator_died_unmapped_is_swept():
-    from pydist.ddp import shm_transport
+    from pydist.transport import shm_segment
 
     name = _killed_creator()
-    mine = shm_transport._new_segment_name()  # a creator that is alive: this process
+    mine = shm_segment._new_segment_name()  # a creator that is alive: this process
     live = _C.ShmTransport(mine, 0, 2, create=True, timeout_s=1)
     assert {name[1:], mine[1:]} <= _segments()
-    removed = shm_transport.sweep_stale_segments()  # other dead jobs' leftovers may go too
+    removed = shm_segment.sweep_stale_segments()  # other dead jobs' leftovers may go too
     assert name[1:] in removed and mine[1:] not in removed
     assert name[1:] not in _segments() and mine[1:] in _segments()
     del live  # rank 0's end unlinks a name nobody else mapped
@@ -370,13 +370,14 @@ def _rank_killed_while_attaching(rank, world_size, store_path, results):
     import datetime
 
     from pydist.ddp import shm_transport
+    from pydist.transport import shm_segment
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=30))
     if rank == 1:
         def killed(*args):
             os._exit(9)  # killed after rank 0 created the segment, before mapping it
-        shm_transport._attach = killed
+        shm_segment._attach = killed
     start = time.monotonic()
     try:
         shm_transport.open_shm_allreduce([torch.zeros(1)], dist.group.WORLD, wanted=None)

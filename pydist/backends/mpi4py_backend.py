@@ -31,12 +31,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from pydist.transport.shm_segment import map_segment_over_comm
+
 from .mpi_buffers import Message, mpi_op
-from .mpi_shm_allreduce import ShmAllreduce, spans_one_node
 from .mpi_work import CommThread, MPIWork
 
 __all__ = ["MPI4PyProcessGroup", "register", "shutdown_all", "finish_at_exit", "BACKEND_NAME",
-           "ALLREDUCE_CHUNK_BYTES"]
+           "ALLREDUCE_CHUNK_BYTES", "SHM_MIN_BYTES"]
 
 BACKEND_NAME = "mpi4py"
 
@@ -53,9 +54,36 @@ BACKEND_NAME = "mpi4py"
 ALLREDUCE_CHUNK_BYTES = 4 << 20
 ALLREDUCE_INFLIGHT = 2
 
+# [Note: on-node all-reduces go through shared memory]
+# When every rank of a group shares one node, all-reduces of at least
+# SHM_MIN_BYTES (SUM, or AVG of floating data, in a dtype the transport
+# carries) run through pydist's shared-memory transport, the one DDP uses
+# (csrc/transport/shm_transport.h, [Note: shared-memory all-reduce]), instead
+# of MPI: MPICH moves large on-node messages more slowly than a copy through
+# one shared segment (benchmarks/RESULTS.md, "Shared-memory all-reduce").
+# The transport sums in rank order and AVG divides afterwards, as the MPI
+# path does, so integer-valued data give exactly what MPI_SUM gives and every
+# rank ends with the same bits. Its end is opened lazily by the MPI thread at
+# the first eligible all-reduce (a collective: every rank reaches it at the
+# same collective) and dropped in shutdown(); if the segment cannot be mapped
+# on every rank, the group stays on MPI. PYDIST_MPI_SHM=0 (the same on every
+# rank) turns the path off, for comparisons.
+SHM_MIN_BYTES = 8 << 20
+
 _live_groups: "weakref.WeakSet[MPI4PyProcessGroup]" = weakref.WeakSet()  # for shutdown_all at exit
 _lock = threading.Lock()
-_created = itertools.count()  # creation order of this rank's groups; shutdown_all frees windows in it
+_created = itertools.count()  # creation order of this rank's groups; shutdown_all frees communicators in it
+
+
+def spans_one_node(comm) -> bool:
+    """Collective over ``comm``: whether all its ranks share memory."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() == comm.Get_size()
+    finally:
+        node.Free()
 
 
 def allreduce_chunked(comm, msg_buf, count: int, itemsize: int, op) -> None:
@@ -88,13 +116,13 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
         self.thread_ = CommThread(name=f"pydist-mpi4py-{name}")  # runs the collectives, in issue order
         self.issued_: collections.Counter[str] = collections.Counter()  # op name -> calls; tests and debugging
         self.seq_ = next(_created)  # orders collective teardown across groups, see shutdown_all
-        # All ranks on one node: large all-reduces go through a shared window, see
-        # [Note: shared-memory all-reduce]. The window itself is allocated by the MPI
-        # thread at the first eligible all-reduce (shm_) and freed in shutdown().
-        # PYDIST_MPI_SHM=0 turns the path off (for comparisons); read after the
-        # collective Split_type so ranks never disagree on calling it.
+        # All ranks on one node: large all-reduces go through shared memory, see
+        # [Note: on-node all-reduces go through shared memory]. Read after the
+        # collective Split_type so ranks never disagree on calling it; cleared
+        # (on every rank) if the segment cannot be mapped.
         self.shm_possible_ = size > 1 and spans_one_node(comm) and os.environ.get("PYDIST_MPI_SHM", "1") != "0"
-        self.shm_: ShmAllreduce | None = None
+        self.shm_ = None  # this rank's end of the transport (a pydist.transport.ShmTransport), opened lazily
+        self.shm_calls_ = 0  # all-reduces that took it; tests assert the path was taken
         _live_groups.add(self)
 
     # -- identity -------------------------------------------------------------
@@ -154,17 +182,39 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
         def run():
             t = msg.staged.reshape(-1)
-            if self.shm_possible_ and ShmAllreduce.eligible(t, mpi, divide):
-                if self.shm_ is None:
-                    self.shm_ = ShmAllreduce(comm)  # collective: every rank takes this branch for this op
-                self.shm_.allreduce(t, divide)
-                return
-            buf = msg.buffer(where)
-            allreduce_chunked(comm, buf, t.numel(), t.element_size(), mpi)
+            if self._shm_eligible(t, mpi, divide) and self._open_shm():
+                self.shm_.all_reduce(t, 1.0).wait()
+                self.shm_calls_ += 1
+            else:
+                buf = msg.buffer(where)
+                allreduce_chunked(comm, buf, t.numel(), t.element_size(), mpi)
             if divide:
                 t.div_(size)
 
         return self._issue("allreduce", where, run, [msg], tensors)
+
+    def _shm_eligible(self, staged: torch.Tensor, mpi_op, divide: bool) -> bool:
+        """Whether this all-reduce takes shared memory. Depends only on what every
+        rank of a matching collective agrees on (size, dtype, op, device)."""
+        from mpi4py import MPI
+
+        from pydist import _C
+
+        return (self.shm_possible_ and mpi_op == MPI.SUM and staged.device.type == "cpu"
+                and _C.ShmTransport.supports(staged.dtype)
+                and staged.numel() * staged.element_size() >= SHM_MIN_BYTES
+                and (not divide or staged.dtype.is_floating_point))
+
+    def _open_shm(self) -> bool:
+        """On the MPI thread, collective the first time: this rank's end of the
+        shared-memory transport. False (on every rank) when it cannot be mapped."""
+        if self.shm_ is None and self.shm_possible_:
+            self.shm_, why_not = map_segment_over_comm(self.comm_, self.timeout_.total_seconds())
+            if self.shm_ is None:
+                self.shm_possible_ = False
+                print(f"pydist mpi4py group (rank {self.rank_}): shared memory unavailable, all-reduces stay on MPI: "
+                      f"{why_not}", file=sys.stderr)
+        return self.shm_ is not None
 
     def allreduce_coalesced(self, tensors, opts=None):
         """Several tensors as one flat message (DDP's reducer does not use
@@ -281,13 +331,11 @@ class MPI4PyProcessGroup(dist.ProcessGroup):
 
     # -- lifecycle ------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish queued collectives, stop the MPI thread, free the shared window
-        (collective) and the communicator."""
+        """Finish queued collectives, stop the MPI thread, drop this rank's end of
+        the shared-memory transport and free the communicator (collective)."""
         from mpi4py import MPI
 
         if self.thread_.stop() and self.comm_ is not None and not MPI.Is_finalized():
-            if self.shm_ is not None:
-                self.shm_.free()
             self.comm_.Free()
         self.shm_ = None
         self.comm_ = None
@@ -368,7 +416,7 @@ def shutdown_all() -> list[MPI4PyProcessGroup]:
     [Note: exit cleanly under mpiexec] in pydist/rendezvous/process_group.py.
     Returns the groups that could not stop (a collective timed out)."""
     stuck = []
-    for group in sorted(_live_groups, key=lambda g: g.seq_):  # one order on every rank: Win.Free is collective
+    for group in sorted(_live_groups, key=lambda g: g.seq_):  # one order on every rank: Comm.Free is collective
         if group.stuck:  # its communicator is in use by a call that never returns: leave it
             stuck.append(group)
             continue

@@ -182,7 +182,7 @@ def test_group_timeout_is_visible_to_the_shm_transport(world, timeout_s):
     """Issue 17 item 7: the shm transport reads the group's timeout through
     ``group._get_backend(cpu).options._timeout``; on the mpi4py group that used
     to raise and fall back to 30 minutes."""
-    from pydist.ddp.shm_transport import _timeout
+    from pydist.transport.shm_segment import group_timeout as _timeout
 
     assert _timeout(dist.group.WORLD) == datetime.timedelta(seconds=timeout_s)
     group = dist.new_group(backend="mpi4py", timeout=datetime.timedelta(seconds=7))

@@ -1,17 +1,20 @@
-"""The shared-memory all-reduce path ([Note: shared-memory all-reduce]):
-sizes around its threshold and chunk boundaries, SUM and AVG, against exact
+"""The mpi4py group's on-node all-reduces through the shared-memory transport
+([Note: on-node all-reduces go through shared memory]): sizes around the
+threshold and the transport's piece boundaries, SUM and AVG, against exact
 answers (integer-valued data, rtol=0, atol=0), every rank's result bitwise
-identical, and a counter that proves the path was taken."""
+identical, and a counter that proves the path was taken; integer dtypes and
+other ops stay on MPI."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from pydist.backends import mpi_shm_allreduce as shm
-from pydist.backends.mpi4py_backend import MPI4PyProcessGroup
+from pydist.backends.mpi4py_backend import SHM_MIN_BYTES, MPI4PyProcessGroup
 
 R = dist.ReduceOp
-CHUNK, MIN = shm.SHM_CHUNK_BYTES, shm.SHM_MIN_BYTES
+MIN = SHM_MIN_BYTES
+CHUNK = 1 << 20  # the transport's piece (kShmPieceBytes in csrc/transport/shm_transport.h)
+SHM_DTYPES = (torch.float32, torch.float64)  # as staged; bf16/fp16 are reduced as their float32 copy
 
 
 def contribution(rank, n, dtype):
@@ -43,13 +46,13 @@ def gather_all(world, t):
     return out
 
 
-@pytest.mark.parametrize("dtype", shm.SHM_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", SHM_DTYPES, ids=str)
 def test_shm_sum_exact_and_identical(world, group, dtype):
     for n in numels(dtype):
-        before = group.shm_.calls_ if group.shm_ is not None else 0
+        before = group.shm_calls_
         t = contribution(world.rank, n, dtype)
         dist.all_reduce(t)
-        assert group.shm_ is not None and group.shm_.calls_ == before + 1, f"{n} {dtype}: shared-memory path not taken"
+        assert group.shm_calls_ == before + 1, f"{n} {dtype}: shared-memory path not taken"
         expected = sum(contribution(r, n, torch.float64) for r in range(world.world_size)).to(dtype)
         torch.testing.assert_close(t, expected, rtol=0, atol=0)
         for r, other in enumerate(gather_all(world, t)):
@@ -59,10 +62,10 @@ def test_shm_sum_exact_and_identical(world, group, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_shm_avg(world, group, dtype):
     n = MIN // 4 + CHUNK // 4 + 3  # float32 bytes: bf16 is reduced as its float32 copy
-    before = group.shm_.calls_ if group.shm_ is not None else 0
+    before = group.shm_calls_
     t = torch.full((n,), float(2 * (world.rank + 1)), dtype=dtype)
     dist.all_reduce(t, op=R.AVG)
-    assert group.shm_.calls_ == before + 1
+    assert group.shm_calls_ == before + 1
     torch.testing.assert_close(t, torch.full((n,), float(world.world_size + 1), dtype=dtype), rtol=0, atol=0)
 
 
@@ -83,14 +86,25 @@ def test_shm_matches_mpi_path_bitwise(world, group):
 
 
 def test_below_threshold_and_other_ops_take_the_mpi_path(world, group):
-    calls = group.shm_.calls_ if group.shm_ is not None else 0
+    calls = group.shm_calls_
     small = contribution(world.rank, MIN // 4 - 1, torch.float32)
     dist.all_reduce(small)
     big = contribution(world.rank, MIN // 4 + 1, torch.float32)
     dist.all_reduce(big, op=R.MAX)
-    assert (group.shm_.calls_ if group.shm_ is not None else 0) == calls
+    assert group.shm_calls_ == calls
     torch.testing.assert_close(small, sum(contribution(r, MIN // 4 - 1, torch.float32) for r in range(world.world_size)), rtol=0, atol=0)
     torch.testing.assert_close(big, contribution(world.world_size - 1, MIN // 4 + 1, torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_integer_dtypes_take_the_mpi_path_exactly(world, group, dtype):
+    calls = group.shm_calls_
+    n = MIN // 4 + 7
+    t = contribution(world.rank, n, dtype)
+    dist.all_reduce(t)
+    assert group.shm_calls_ == calls
+    torch.testing.assert_close(t, sum(contribution(r, n, torch.int64) for r in range(world.world_size)).to(dtype),
+                               rtol=0, atol=0)
 
 
 def test_async_shm_ops_in_flight(world, group):
@@ -103,11 +117,11 @@ def test_async_shm_ops_in_flight(world, group):
         torch.testing.assert_close(t, expected, rtol=0, atol=0)
 
 
-def test_subgroup_gets_and_frees_its_own_window(world, group):
+def test_subgroup_gets_and_drops_its_own_segment(world, group):
     g = dist.new_group(backend="mpi4py")
     t = contribution(world.rank, MIN // 4 + 5, torch.float32)
     dist.all_reduce(t, group=g)
-    assert g.shm_ is not None and g.shm_.calls_ == 1
+    assert g.shm_ is not None and g.shm_calls_ == 1 and g.shm_ is not group.shm_
     torch.testing.assert_close(t, sum(contribution(r, MIN // 4 + 5, torch.float32) for r in range(world.world_size)), rtol=0, atol=0)
-    g.shutdown()  # what teardown calls (shutdown_all at exit): frees the window, collectively
+    g.shutdown()  # what teardown calls (shutdown_all at exit): drops its end, frees the communicator
     assert g.shm_ is None and g.comm_ is None

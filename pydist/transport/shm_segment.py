@@ -1,0 +1,151 @@
+"""Opening the shared-memory transport: rank 0 creates a named segment, the
+other ranks of the group map that very object, and the name is removed again.
+
+    shm, why_not = map_segment(rank, world_size, allgather, timeout_s)   # collective
+    shm, why_not = map_segment_over_group(group)                          # a torch group
+    shm, why_not = map_segment_over_comm(comm, timeout_s)                 # an mpi4py communicator
+
+Whether ranks share a host is not guessed from host names: rank 0 creates the
+segment and every other rank must map that very object, so ranks in
+containers without a common /dev/shm get (None, why not) on every rank.
+Who uses it and when is decided by the callers: DistributedDataParallel
+(pydist/ddp/shm_transport.py, [Note: which transport]), the mpi4py backend's
+large all-reduces (pydist/backends/mpi4py_backend.py) and
+``pydist.transport.open_shm``. See [Note: shared-memory all-reduce] in
+csrc/transport/shm_transport.h for the protocol.
+
+The segment's name is removed on every path out of the set-up, and names an
+earlier job on this host could not remove are swept before a new one is
+made: see [Note: the segment's name lives only while ranks attach] in
+csrc/transport/shm_transport.h.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pydist import _C
+
+__all__ = ["map_segment", "map_segment_over_group", "map_segment_over_comm", "sweep_stale_segments", "group_timeout"]
+
+SHM_DIR = "/dev/shm"
+# Segment names: /pydist-<creator's pid namespace inode>-<creator's pid>-<random>.
+_SEGMENT_PREFIX = "pydist-"
+
+
+def map_segment_over_group(group) -> tuple[_C.ShmTransport | None, str]:
+    """Collective over the torch process group ``group``; see map_segment."""
+    world_size = dist.get_world_size(group)
+
+    def allgather(obj) -> list:
+        out: list = [None] * world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return map_segment(dist.get_rank(group), world_size, allgather, group_timeout(group).total_seconds())
+
+
+def map_segment_over_comm(comm, timeout_s: float) -> tuple[_C.ShmTransport | None, str]:
+    """Collective over the mpi4py communicator ``comm``; see map_segment."""
+    return map_segment(comm.Get_rank(), comm.Get_size(), comm.allgather, timeout_s)
+
+
+def map_segment(rank: int, world_size: int, allgather: Callable[[object], list],
+                timeout_s: float) -> tuple[_C.ShmTransport | None, str]:
+    """Collective: rank 0 creates the segment, the others map it; every rank
+    learns whether all did. ``allgather(obj)`` returns every rank's ``obj``
+    in rank order (the group's object all-gather); the transport's waits give
+    up after ``timeout_s``. Returns (this rank's end, "") or (None, why not),
+    the same verdict on every rank."""
+    shm, failure = None, None
+    try:
+        if rank == 0:
+            sweep_stale_segments()
+            shm, failure = _attach(_new_segment_name(), rank, world_size, timeout_s)
+        names = allgather(shm.segment_name if shm is not None else None)
+        if rank != 0 and names[0] is not None:
+            shm, failure = _attach(names[0], rank, world_size, timeout_s)
+        failures = allgather(failure)
+    finally:
+        # Every rank that could map it has, or the set-up failed (a peer died,
+        # an interrupt): the name goes either way; the memory goes with the
+        # last mapping.
+        if rank == 0 and shm is not None:
+            shm.unlink()
+    failures = [f for f in failures if f]
+    if failures:
+        return None, "; ".join(failures)
+    return shm, ""
+
+
+def _attach(name: str, rank: int, world_size: int, timeout_s: float) -> tuple[_C.ShmTransport | None, str | None]:
+    """This rank's end of segment ``name`` (rank 0 creates it), or (None, why not)."""
+    try:
+        return _C.ShmTransport(name, rank, world_size, create=(rank == 0), timeout_s=timeout_s), None
+    except RuntimeError as exc:
+        return None, f"rank {rank}: {exc}"
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _new_segment_name() -> str:
+    return f"/{_SEGMENT_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited: gone, or a zombie (which ``kill(pid, 0)`` calls alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X", "x")
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Removes the segments whose creator (a rank 0 of this pid namespace)
+    has exited: a job killed while its ranks were attaching. Returns their
+    names. Names from other pid namespaces, or of a creator still running,
+    are left alone."""
+    namespace = str(_pid_namespace())
+    removed = []
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for entry in entries:
+        parts = entry[len(_SEGMENT_PREFIX):].split("-") if entry.startswith(_SEGMENT_PREFIX) else []
+        if len(parts) != 3 or parts[0] != namespace or not parts[1].isdigit() or namespace == "0":
+            continue
+        if _process_gone(int(parts[1])):
+            try:
+                os.unlink(os.path.join(shm_dir, entry))
+                removed.append(entry)
+            except OSError:
+                pass  # another rank 0 swept it first, or it is not ours to remove
+    return removed
+
+
+def group_timeout(group) -> datetime.timedelta:
+    """The group's collective timeout, which the transport's waits honour."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d.default_pg_timeout
