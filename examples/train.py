@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="data-parallel training job on pydist (see the module docstring)")
     parser.add_argument("--ddp", choices=("pydist", "torch"), default="pydist", help="which DDP wraps the model")
     parser.add_argument("--fsdp", action="store_true", help="shard the model with pydist's sharded wrapper "
-                        "(not available yet: the job exits with an error)")
+                        "(this job does not drive it yet: it exits with an error; see the README)")
     parser.add_argument("--backend", default=None,
                         help="torch.distributed backend: gloo, nccl, mpi (default: nccl with CUDA, else gloo)")
     parser.add_argument("--epochs", type=int, default=3, help="total epochs (a resumed job runs the rest)")
