@@ -27,7 +27,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pydist's compiled runtime: fused flatten ops and the gradient reducer";
 
   using pydist::Reducer;
-  py::class_<pydist::BucketRecord>(m, "BucketRecord", "Timing of one bucket; ns since backward began")
+  // Records: csrc/reducer/records.h, [Note: record clocks].
+  py::class_<pydist::ChunkRecord>(m, "ChunkRecord", "One collective of a bucket; ns since the iteration's start_ns")
+      .def_readonly("offset", &pydist::ChunkRecord::offset)
+      .def_readonly("bytes", &pydist::ChunkRecord::bytes)
+      .def_property_readonly("collective",
+                             [](const pydist::ChunkRecord& r) { return std::string(pydist::record_name(r.collective)); })
+      .def_readonly("launch_ns", &pydist::ChunkRecord::launch_ns)
+      .def_readonly("complete_ns", &pydist::ChunkRecord::complete_ns);
+  py::class_<pydist::BucketRecord>(m, "BucketRecord", "Timing of one bucket; ns since the iteration's start_ns")
       .def_readonly("index", &pydist::BucketRecord::index)
       .def_readonly("num_params", &pydist::BucketRecord::num_params)
       .def_readonly("bytes", &pydist::BucketRecord::bytes)
@@ -35,12 +43,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("last_grad_ns", &pydist::BucketRecord::last_grad_ns)
       .def_readonly("launch_ns", &pydist::BucketRecord::launch_ns)
       .def_readonly("complete_ns", &pydist::BucketRecord::complete_ns)
-      .def_readonly("done_ns", &pydist::BucketRecord::done_ns);
+      .def_readonly("done_ns", &pydist::BucketRecord::done_ns)
+      .def_readonly("chunks", &pydist::BucketRecord::chunks);
   py::class_<pydist::IterationRecord>(m, "IterationRecord", "What the reducer measured in one iteration")
       .def_readonly("iteration", &pydist::IterationRecord::iteration)
+      .def_readonly("rank", &pydist::IterationRecord::rank)
+      .def_readonly("transport", &pydist::IterationRecord::transport)
+      .def_readonly("start_ns", &pydist::IterationRecord::start_ns)
       .def_readonly("backward_end_ns", &pydist::IterationRecord::backward_end_ns)
       .def_readonly("finalize_end_ns", &pydist::IterationRecord::finalize_end_ns)
       .def_readonly("buckets", &pydist::IterationRecord::buckets);
+  m.attr("DEFAULT_RECORDS_KEPT") = pydist::kDefaultRecordsKept;
+  m.def("profiler_clock_offset_ns", &pydist::profiler_clock_offset_ns,
+        "ns to add to a steady-clock (time.monotonic_ns) time to get torch.profiler's clock");
 
   // Methods that wait on collectives release the GIL: a process group written
   // in Python (the mpi4py backend) needs it to make progress.
@@ -98,13 +113,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets, c10::intrusive_ptr<c10d::ProcessGroup> pg,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool record_timing, int64_t chunk_bytes, std::shared_ptr<tp::Transport> transport) {
+                       bool record_timing, int64_t chunk_bytes, std::shared_ptr<tp::Transport> transport,
+                       int64_t records_kept) {
              pydist::ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
              options.record_timing = record_timing;
              options.chunk_bytes = chunk_bytes;
+             options.records_kept = records_kept;
              if (!transport) transport = std::make_shared<tp::ProcessGroupTransport>(pg);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
                                               std::move(pg), options, std::move(transport));
@@ -112,7 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("static_graph") = false, py::arg("record_timing") = false,
-           py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes, py::arg("transport") = nullptr)
+           py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes, py::arg("transport") = nullptr,
+           py::arg("records_kept") = pydist::kDefaultRecordsKept)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, nogil)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, nogil)
       .def("delay_all_reduce", &Reducer::delay_all_reduce, nogil)
@@ -132,7 +150,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
       .def("last_record", &Reducer::last_record)
-      .def("set_record_timing", &Reducer::set_record_timing)
+      .def("iteration_records", &Reducer::iteration_records)
+      .def("clear_records", &Reducer::clear_records)
+      .def("set_record_timing", &Reducer::set_record_timing, py::arg("on"), py::arg("keep") = pydist::kDefaultRecordsKept)
       .def("set_average_divisor", &Reducer::set_average_divisor);
 
   m.def("streaming_isa", &pydist::ops::streaming_isa,

@@ -203,6 +203,7 @@ def test_type_stubs_name_exactly_what_the_extension_exports():
 
     stub = ast.parse((pathlib.Path(pydist.__file__).parent / "_C.pyi").read_text())
     stubbed = {node.name: node for node in stub.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    stubbed |= {node.target.id: node for node in stub.body if isinstance(node, ast.AnnAssign)}  # constants
     exported = {name for name in vars(_C) if not name.startswith("_")}
     assert set(stubbed) == exported, f"stubs only: {set(stubbed) - exported}; extension only: {exported - set(stubbed)}"
     for name, node in stubbed.items():

@@ -3,6 +3,7 @@
 
 #include "ops/flatten.h"
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
@@ -37,6 +38,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
               transport_->world_size(), ", the process group rank ", process_group_->getRank(), " of ",
               process_group_->getSize());
   transport_->set_stamp_completion(options_.record_timing);
+  records_.set_keep(options_.records_kept);
   TORCH_CHECK(params_.size() == param_names_.size(), "Reducer: got ", params_.size(),
               " parameters but ", param_names_.size(), " names");
   const auto n = static_cast<int64_t>(params_.size());
@@ -178,6 +180,10 @@ void Reducer::split_into_chunks(Bucket& bucket) const {
       chunk.offset = static_cast<int64_t>(bucket.offsets[slot] + bucket.lengths[slot]);
     }
   }
+  bucket.record.chunks.clear();
+  for (const Chunk& c : bucket.chunks) {
+    bucket.record.chunks.push_back(ChunkRecord{c.offset, c.numel * itemsize, transport::Collective::kAllReduce});
+  }
 }
 
 bool Reducer::should_rebuild_buckets_locked() const {
@@ -254,7 +260,8 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 }
 
 void Reducer::reset_for_backward() {
-  if (options_.record_timing) backward_start_ = std::chrono::steady_clock::now();
+  recording_ = options_.record_timing;
+  if (recording_) start_ns_ = transport::steady_now_ns();
   next_bucket_ = 0;
   marked_unused_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
@@ -266,6 +273,7 @@ void Reducer::reset_for_backward() {
     }
     bucket.record.first_grad_ns = bucket.record.last_grad_ns = -1;
     bucket.record.launch_ns = bucket.record.complete_ns = bucket.record.done_ns = -1;
+    for (ChunkRecord& chunk : bucket.record.chunks) chunk.launch_ns = chunk.complete_ns = -1;
   }
   if (options_.static_graph) hook_calls_left_ = hook_calls_expected_;
   if (dynamic_find_unused()) unused_params_.clear();
@@ -373,7 +381,7 @@ void Reducer::mark_param_ready(int64_t index) {
   require_finalize_ = true;
   const Locator where = locators_[index];
   Bucket& bucket = buckets_[where.bucket];
-  if (options_.record_timing) {
+  if (recording_) {
     int64_t t = now_ns();
     if (bucket.record.first_grad_ns < 0) bucket.record.first_grad_ns = t;
     bucket.record.last_grad_ns = t;
@@ -397,7 +405,7 @@ void Reducer::launch_ready_chunks() {
   while (next_bucket_ < buckets_.size()) {
     Bucket& bucket = buckets_[next_bucket_];
     while (bucket.next_chunk < bucket.chunks.size() && bucket.chunks[bucket.next_chunk].pending == 0) {
-      launch_chunk(bucket, next_bucket_, bucket.chunks[bucket.next_chunk]);
+      launch_chunk(next_bucket_, bucket.next_chunk);
       ++bucket.next_chunk;
     }
     if (bucket.next_chunk < bucket.chunks.size()) return;
@@ -412,7 +420,10 @@ at::Tensor& Reducer::zeros_for(int64_t index) {
   return zeros_[index];
 }
 
-void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
+void Reducer::launch_chunk(size_t bucket_index, size_t chunk_index) {
+  RECORD_FUNCTION("pydist.Reducer.launch_chunk", std::vector<c10::IValue>());
+  Bucket& bucket = buckets_[bucket_index];
+  Chunk& chunk = bucket.chunks[chunk_index];
   if (chunk.first_slot == 0 && resident_grads()) make_bucket_writable(bucket);
   at::Tensor piece = bucket.buffer.narrow(0, chunk.offset, chunk.numel);
   // The average is taken here, on the way into the bucket, unless the
@@ -445,7 +456,11 @@ void Reducer::launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk) {
 
   // Stamped before the collective starts: a transport's thread may run it to
   // completion before this thread gets the core back.
-  if (options_.record_timing && bucket.record.launch_ns < 0) bucket.record.launch_ns = now_ns();
+  if (recording_) {
+    const int64_t t = now_ns();
+    bucket.record.chunks[chunk_index].launch_ns = t;
+    if (bucket.record.launch_ns < 0) bucket.record.launch_ns = t;
+  }
   const double scale = transport_scales ? average_scale_ : 1.0;
   if (transport_->owns_buckets()) {  // its bucket is one chunk: see split_into_chunks
     c10d::GradBucket whole = grad_bucket(bucket_index, bucket.buffer);
@@ -496,9 +511,11 @@ bool Reducer::globally_unused(int64_t index) const {
 
 void Reducer::finalize_backward() {
   // Runs with mutex_ held, once per reduced iteration, after autograd is done.
+  RECORD_FUNCTION("pydist.Reducer.finalize_backward", std::vector<c10::IValue>());
   TORCH_INTERNAL_ASSERT(next_bucket_ == buckets_.size(), "finalize_backward before every bucket launched");
-  const bool timing = options_.record_timing;
-  if (timing) last_record_.backward_end_ns = now_ns();
+  const bool timing = recording_;
+  IterationRecord record;
+  if (timing) record.backward_end_ns = now_ns();
   expect_hooks_ = false;
   require_finalize_ = false;
   if (local_used_work_) {
@@ -508,12 +525,13 @@ void Reducer::finalize_backward() {
   }
   // Chunk by chunk: results of early chunks are written back while later
   // ones are still on the wire.
-  const int64_t backward_start_ns = transport::steady_ns(backward_start_);
   for (Bucket& bucket : buckets_) {
-    for (const Chunk& chunk : bucket.chunks) {
+    for (size_t c = 0; c < bucket.chunks.size(); ++c) {
+      const Chunk& chunk = bucket.chunks[c];
       const int64_t completed = chunk.future.wait();
       if (timing && completed >= 0) {
-        bucket.record.complete_ns = std::max(bucket.record.complete_ns, completed - backward_start_ns);
+        bucket.record.chunks[c].complete_ns = completed - start_ns_;
+        bucket.record.complete_ns = std::max(bucket.record.complete_ns, completed - start_ns_);
       }
       // The reduced values: the bucket's own buffer, or what a comm hook returned.
       const at::Tensor result = transport_->owns_buckets() ? transport_->result_of(chunk.future, bucket.buffer)
@@ -527,10 +545,13 @@ void Reducer::finalize_backward() {
     for (int64_t unused : unused_params_) ready_order_.push_back(unused);
   }
   if (timing) {
-    last_record_.iteration = num_iterations_;
-    last_record_.finalize_end_ns = now_ns();
-    last_record_.buckets.clear();
-    for (const Bucket& bucket : buckets_) last_record_.buckets.push_back(bucket.record);
+    record.iteration = num_iterations_;
+    record.rank = process_group_->getRank();
+    record.transport = transport_->name();
+    record.start_ns = start_ns_;
+    for (const Bucket& bucket : buckets_) record.buckets.push_back(bucket.record);
+    record.finalize_end_ns = now_ns();
+    records_.push(std::move(record));
   }
   ++num_iterations_;
 }
@@ -641,18 +662,26 @@ void Reducer::set_average_divisor(int64_t divisor) {
   average_scale_ = 1.0 / static_cast<double>(divisor);
 }
 
-int64_t Reducer::now_ns() const {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - backward_start_)
-      .count();
-}
+int64_t Reducer::now_ns() const { return transport::steady_now_ns() - start_ns_; }
 
 IterationRecord Reducer::last_record() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return last_record_;
+  return records_.last();
 }
 
-void Reducer::set_record_timing(bool on) {
+std::vector<IterationRecord> Reducer::iteration_records() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  return records_.all();
+}
+
+void Reducer::clear_records() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  records_.clear();
+}
+
+void Reducer::set_record_timing(bool on, int64_t keep) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  records_.set_keep(keep);
   options_.record_timing = on;
   transport_->set_stamp_completion(on);
 }

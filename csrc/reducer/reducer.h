@@ -102,40 +102,18 @@
 #include <unordered_map>
 #include <vector>
 
+#include "reducer/records.h"
 #include "transport/transport.h"
 
 namespace pydist {
-
-// Timing of one bucket in the last reduced iteration, in nanoseconds since
-// that iteration's prepare_for_backward. -1 where the event did not happen.
-struct BucketRecord {
-  int64_t index = 0;
-  int64_t num_params = 0;
-  int64_t bytes = 0;
-  int64_t first_grad_ns = -1;  // first of its gradients became ready
-  int64_t last_grad_ns = -1;   // its last gradient became ready
-  int64_t launch_ns = -1;      // its first chunk's collective (or its comm hook) was launched
-  // Its last collective finished, stamped by the thread that completed it.
-  // NCCL marks its futures complete once the kernels are enqueued (streams
-  // then order the rest), so on CUDA this is the enqueue, not the finish.
-  int64_t complete_ns = -1;
-  int64_t done_ns = -1;        // finalize_backward had waited for it and written its grads back
-};
-
-// What the reducer measured in the last iteration it reduced.
-struct IterationRecord {
-  int64_t iteration = -1;       // count of reduced iterations, from 0
-  int64_t backward_end_ns = -1; // autograd finished (finalize_backward began)
-  int64_t finalize_end_ns = -1; // all results written back into .grad
-  std::vector<BucketRecord> buckets;
-};
 
 // Constructor options; each mirrors a DistributedDataParallel argument.
 struct ReducerOptions {
   bool gradient_as_bucket_view = false;
   bool find_unused_parameters = false;
   bool static_graph = false;
-  bool record_timing = false;  // keep per-bucket records (off: no clock reads)
+  bool record_timing = false;  // keep records (off: no clock reads); see records.h
+  int64_t records_kept = kDefaultRecordsKept;  // how many iterations' records to keep
   int64_t chunk_bytes = int64_t{4} << 20;  // all-reduce pieces; 0: whole buckets. See [Note: chunked launches]
 };
 
@@ -222,9 +200,16 @@ class Reducer {
   // number of ranks still training.
   void set_average_divisor(int64_t divisor);
 
-  // Records of the last reduced iteration (empty unless record_timing).
+  // Records (see records.h, [Note: record clocks]). With record_timing on,
+  // each reduced iteration leaves one IterationRecord; the last
+  // `records_kept` are kept. last_record(): the newest (iteration -1 when
+  // there is none); iteration_records(): all kept, oldest first.
   IterationRecord last_record() const;
-  void set_record_timing(bool on);
+  std::vector<IterationRecord> iteration_records() const;
+  void clear_records();
+  // Turns records on or off from the next prepare_for_backward on, and keeps
+  // the last `keep` (>= 1) iterations' records. Off, no clock is read.
+  void set_record_timing(bool on, int64_t keep);
 
  private:
   // A piece of a bucket reduced by one collective: consecutive slots whose
@@ -252,7 +237,7 @@ class Reducer {
     // resident gradients]); alive while anything still holds that gradient.
     std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> resident;
     size_t next_chunk = 0;                // next chunk to launch this iteration
-    BucketRecord record;
+    BucketRecord record;                  // this iteration's, one ChunkRecord per chunk
   };
 
   // Where a parameter's gradient lives.
@@ -265,7 +250,7 @@ class Reducer {
   void autograd_hook(int64_t index);
   void mark_param_ready(int64_t index);
   void launch_ready_chunks();
-  void launch_chunk(Bucket& bucket, size_t bucket_index, Chunk& chunk);
+  void launch_chunk(size_t bucket_index, size_t chunk_index);
   void finalize_backward();
   void finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tensor& result);
 
@@ -287,7 +272,7 @@ class Reducer {
   bool globally_unused(int64_t index) const;
   at::Tensor& zeros_for(int64_t index);
   std::string describe_unready_params() const;
-  int64_t now_ns() const;
+  int64_t now_ns() const;  // ns since start_ns_; only while recording_
   c10d::GradBucket grad_bucket(size_t bucket_index, const at::Tensor& buffer) const;
   bool static_graph_first_iteration() const { return options_.static_graph && num_iterations_ == 0; }
   bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
@@ -336,10 +321,14 @@ class Reducer {
   // Zero tensors standing in for gradients of parameters unused this iteration.
   std::vector<at::Tensor> zeros_;
 
-  // Timing.
   int64_t num_iterations_ = 0;  // reduced iterations so far
-  std::chrono::steady_clock::time_point backward_start_;
-  IterationRecord last_record_;
+
+  // Records: see records.h. recording_ is options_.record_timing as it was
+  // when this iteration was armed, so turning records on or off between
+  // forward and backward takes effect at the next iteration.
+  bool recording_ = false;
+  int64_t start_ns_ = -1;  // steady-clock time this iteration was armed (recording_ only)
+  RecordRing records_;
 };
 
 }  // namespace pydist

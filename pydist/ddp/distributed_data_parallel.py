@@ -45,6 +45,9 @@ from pydist.overlap import hooks as overlap_hooks
 
 __all__ = ["DistributedDataParallel"]
 
+# Iterations whose records a wrapper keeps unless set_record_timing says otherwise.
+_DEFAULT_RECORDS_KEPT: int = _C.DEFAULT_RECORDS_KEPT
+
 # torch DDP keywords pydist accepts only at their default: anything else
 # raises NotImplementedError naming the keyword, never a silent ignore.
 _UNSUPPORTED_KEYWORDS: dict[str, Any] = {
@@ -187,6 +190,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # What the reducer is built from, kept so that _set_static_graph and
         # unpickling can build it again.
         self._record_timing = record_timing
+        self._records_kept = _DEFAULT_RECORDS_KEPT
         self._chunk_bytes = int(allreduce_chunk_mb * bucketing.MB)
         self._sim_net = sim_net  # [overlap hook] read by overlap_hooks.transport_for
 
@@ -255,6 +259,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             record_timing=self._record_timing,
+            records_kept=self._records_kept,
             chunk_bytes=self._chunk_bytes,
             # [overlap hook] PYDIST_SIM_NET / sim_net= put a simulated link in front
             transport=overlap_hooks.transport_for(self, self._shm),  # None: the process group's
@@ -498,14 +503,31 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def _log_and_throw(self, err_type, err_msg):
         raise err_type(err_msg)
 
+    # --- records (pydist/ddp/records.py, csrc/reducer/records.h) ----------------
+
     def last_iteration_record(self) -> IterationRecord | None:
-        """Per-bucket timings of the last synchronized backward (requires
+        """The record of the last synchronized backward, or None (requires
         ``record_timing=True``, or ``set_record_timing(True)``)."""
         return IterationRecord.from_reducer(self.reducer.last_record())
 
-    def set_record_timing(self, on: bool) -> None:
-        self.reducer.set_record_timing(on)
+    def iteration_records(self) -> list[IterationRecord]:
+        """The records of the last ``keep`` synchronized backwards (see
+        ``set_record_timing``), oldest first."""
+        return [IterationRecord.from_reducer(r) for r in self.reducer.iteration_records()]
+
+    def clear_records(self) -> None:
+        """Forget the records kept so far."""
+        self.reducer.clear_records()
+
+    def set_record_timing(self, on: bool, keep: int = _DEFAULT_RECORDS_KEPT) -> None:
+        """Record (or stop recording) every synchronized backward from the
+        next forward on, keeping the last ``keep`` iterations' records.
+        Off, the reducer and its transport read no clock."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"set_record_timing: keep must be a positive int (iterations to keep), got {keep!r}")
+        self.reducer.set_record_timing(on, keep)
         self._record_timing = on
+        self._records_kept = keep
 
     @property
     def allreduce_transport(self) -> str:
