@@ -8,16 +8,19 @@
     overlap.reset(ddp)               # forget what was recorded
 
 The records are those the reducer keeps (``ddp.iteration_records()``, the
-last ``keep`` iterations; see pydist/ddp/records.py). A ``StepLog`` drains
-them every ``keep // 2`` forwards into a longer log, so a trace covers every
-step, not only the last few. Off (the default) nothing here runs and the
-reducer reads no clock.
+last ``keep`` iterations; see pydist/ddp/records.py). A ``StepLog`` copies
+each one into a longer log as its backward ends (see [Note: draining at the
+end of backward]), so a trace covers every step, even when the wrapper is
+gone before the trace is written. Off (the default) nothing here runs and
+the reducer reads no clock.
 """
 
 from __future__ import annotations
 
 import collections
 import weakref
+
+import torch
 
 from pydist.overlap.analysis import StepOverlap, analyze_step
 
@@ -50,20 +53,6 @@ def _register(ddp) -> int:
     return number
 
 
-def _set_record_timing(ddp, on: bool, keep: int) -> None:
-    try:
-        ddp.set_record_timing(on, keep=keep)
-    except TypeError:  # a reducer without the ring: one record, drained every forward
-        ddp.set_record_timing(on)
-
-
-def _held_records(ddp) -> list:
-    if hasattr(ddp, "iteration_records"):
-        return list(ddp.iteration_records())
-    last = ddp.last_iteration_record()
-    return [last] if last is not None else []
-
-
 class StepLog:
     """Every record of one wrapper since recording began (up to ``limit``
     steps, the newest kept), drained from the reducer's ring."""
@@ -73,22 +62,25 @@ class StepLog:
         self.keep = keep
         self.records: collections.deque = collections.deque(maxlen=limit)
         self._last_iteration = -1
-        self._forwards = 0
-        has_ring = hasattr(ddp, "iteration_records")
-        # How many forwards between drains: before the ring could wrap.
-        self._drain_every = max(1, keep // 2) if has_ring else 1
-        self._hook = ddp.register_forward_pre_hook(_DrainHook(self))
-
-    def on_forward(self) -> None:
-        self._forwards += 1
-        if self._forwards % self._drain_every == 0:
-            self.drain()
+        self._hook = ddp.register_forward_hook(_DrainAtBackwardEnd(self))
 
     def drain(self) -> None:
+        """Copies the records the reducer holds that the log lacks."""
         ddp = self._ddp()
-        if ddp is None:
-            return
-        for rec in _held_records(ddp):
+        if ddp is not None:
+            self._take(ddp.iteration_records())
+
+    def drain_last(self) -> None:
+        """Copies the reducer's newest record (one, cheaply), if new."""
+        from pydist.ddp.records import IterationRecord
+
+        ddp = self._ddp()
+        if ddp is not None and ddp.reducer is not None:
+            rec = IterationRecord.from_reducer(ddp.reducer.last_record())
+            self._take([rec] if rec is not None else [])
+
+    def _take(self, records) -> None:
+        for rec in records:
             if rec.iteration > self._last_iteration:
                 self.records.append(rec)
                 self._last_iteration = rec.iteration
@@ -101,17 +93,38 @@ class StepLog:
         self._hook.remove()
 
 
-class _DrainHook:
-    """The forward pre-hook of a StepLog. A pickled or deep-copied wrapper
+# [Note: draining at the end of backward]
+# A record is complete once the reducer's finalize_backward has run, an
+# autograd engine callback the reducer queues at the first gradient of the
+# backward. To read it right after, without a Python call per gradient: a
+# forward hook puts a hook on the output, which autograd runs first in the
+# backward; that queues an engine callback (it runs before finalize, queued
+# later), which queues another: callbacks queued while callbacks run go to
+# the end of the list, so that one runs after finalize and copies the record.
+# Reading every step as it ends (rather than the ring now and then) keeps the
+# last steps of a wrapper that is dropped before the trace is written.
+class _DrainAtBackwardEnd:
+    """The forward hook of a StepLog. A pickled or deep-copied wrapper
     carries an inert hook instead (its copy records nothing until asked)."""
 
     def __init__(self, log: StepLog):
         self._log = weakref.ref(log)
 
-    def __call__(self, module, args) -> None:
+    def __call__(self, module, args, output) -> None:
+        if not torch.is_grad_enabled() or not getattr(module, "require_backward_grad_sync", True):
+            return
+        first = next((t for t in _tensors(output) if t.requires_grad), None)
+        if first is not None:
+            first.register_hook(self._at_backward_start)
+
+    def _at_backward_start(self, grad) -> None:
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._after_finalize))
+
+    def _after_finalize(self) -> None:
         log = self._log()
         if log is not None:
-            log.on_forward()
+            log.drain_last()
 
     def __reduce__(self):
         return (InertHook, ())
@@ -120,8 +133,15 @@ class _DrainHook:
 class InertHook:
     """What a pickled overlap-lab hook becomes: nothing."""
 
-    def __call__(self, module, args) -> None:
+    def __call__(self, *args) -> None:
         return None
+
+
+def _tensors(output):
+    if torch.is_tensor(output):
+        return [output]
+    flat, _ = torch.utils._pytree.tree_flatten(output)
+    return [t for t in flat if torch.is_tensor(t)]
 
 
 def _log_of(ddp) -> StepLog | None:
@@ -137,7 +157,7 @@ def record(ddp=None, keep: int = DEFAULT_KEEP) -> None:
         for w in wrappers():
             record(w, keep)
         return
-    _set_record_timing(ddp, True, keep)
+    ddp.set_record_timing(True, keep=keep)
     if _log_of(ddp) is None:
         _logs[ddp] = StepLog(ddp, keep)
 
@@ -155,7 +175,7 @@ def stop(ddp=None) -> None:
     if log is not None:
         log.drain()
         log._hook.remove()
-    _set_record_timing(ddp, False, log.keep if log else DEFAULT_KEEP)
+    ddp.set_record_timing(False, keep=log.keep if log else DEFAULT_KEEP)
 
 
 def records(ddp) -> list:
@@ -163,7 +183,7 @@ def records(ddp) -> list:
     last reset), oldest first."""
     log = _log_of(ddp)
     if log is None:
-        return _held_records(ddp)
+        return ddp.iteration_records()
     log.drain()
     return list(log.records)
 
@@ -180,5 +200,4 @@ def reset(ddp=None) -> None:
         if log is not None:
             log.drain()
             log.clear()
-        if hasattr(w, "clear_records"):
-            w.clear_records()
+        w.clear_records()
