@@ -3,13 +3,16 @@ step time and exposed communication per bucket cap x chunk size x link
 bandwidth x model, on 2 CPU ranks.
 
     python benchmarks/bench_overlap.py [--bandwidths 1,10,100] [--caps 0.25,1,4,25] [--chunks 0,1]
-                                       [--latency 20us] [--steps 6] [--json] [--plot benchmarks/bench_overlap.png]
+                                       [--latency 20us] [--rounds 3] [--steps 3] [--json] [--plot PNG]
 
 Every gradient collective goes over a simulated link (pydist.overlap.sim_net
 in front of the shared-memory transport: [Note: simulated network] in
 csrc/transport/sim_net_transport.cpp), so a laptop shows what a cluster link
-of that bandwidth would do to the step. Per cell, medians over --steps
-steps after two warm-up steps (the first rebuilds the buckets):
+of that bandwidth would do to the step. The whole sweep runs --rounds
+times, each cell built afresh every round, so a slow stretch of this shared
+machine lands on a few steps of many cells rather than on all of one. Per
+cell, medians over the rounds' --steps steps, each after two warm-up steps
+(the first rebuilds the buckets):
 
     step       zero_grad + forward + backward with pydist DDP (grads averaged)
     exposed    communication the step waited for after autograd ended
@@ -91,13 +94,7 @@ def _cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps, rank):
         _step(ddp, x)
     overlap.reset(ddp)
     times = _timed_steps(ddp, x, steps)
-    analysed = overlap.steps(ddp)
-    return {
-        "step_ms": statistics.median(times),
-        "exposed_ms": statistics.median(s.exposed_ms for s in analysed),
-        "buckets": len(ddp.bucket_indices()),
-        "stalling": statistics.mode(s.stalling for s in analysed) if analysed else None,
-    }
+    return {"step_ms": times, "steps": overlap.steps(ddp), "buckets": len(ddp.bucket_indices())}
 
 
 def _baseline(model_name, bandwidth_gbps, latency, steps, rank, world_size):
@@ -123,7 +120,7 @@ def _baseline(model_name, bandwidth_gbps, latency, steps, rank, world_size):
             offset += p.numel()
         if i >= 2:
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def _records_cost(model_name, rounds, steps, rank):
@@ -144,15 +141,30 @@ def _records_cost(model_name, rounds, steps, rank):
 
 
 def sweep(rank, world_size, args):
-    cells, baselines = [], []
-    for model_name in args.models:
-        for bw in args.bandwidths:
-            baselines.append({"model": model_name, "bandwidth_gbps": bw,
-                              "baseline_ms": _baseline(model_name, bw, args.latency, args.steps, rank, world_size)})
-            for cap in args.caps:
-                for chunk in args.chunks:
-                    cell = _cell(model_name, bw, args.latency, cap, chunk, args.steps, rank)
-                    cells.append({"model": model_name, "bandwidth_gbps": bw, "cap_mb": cap, "chunk_mb": chunk, **cell})
+    base_times: dict = {}
+    cell_times: dict = {}
+    for _ in range(args.rounds):
+        for model_name in args.models:
+            for bw in args.bandwidths:
+                key = (model_name, bw)
+                base_times.setdefault(key, []).extend(
+                    _baseline(model_name, bw, args.latency, args.steps, rank, world_size))
+                for cap in args.caps:
+                    for chunk in args.chunks:
+                        cell = _cell(model_name, bw, args.latency, cap, chunk, args.steps, rank)
+                        into = cell_times.setdefault((model_name, bw, cap, chunk), {"step_ms": [], "steps": []})
+                        into["step_ms"] += cell["step_ms"]
+                        into["steps"] += cell["steps"]
+                        into["buckets"] = cell["buckets"]
+    baselines = [{"model": m, "bandwidth_gbps": bw, "baseline_ms": statistics.median(t)}
+                 for (m, bw), t in base_times.items()]
+    cells = []
+    for (m, bw, cap, chunk), c in cell_times.items():
+        stalls = [s.stalling for s in c["steps"]]
+        cells.append({"model": m, "bandwidth_gbps": bw, "cap_mb": cap, "chunk_mb": chunk, "buckets": c["buckets"],
+                      "step_ms": statistics.median(c["step_ms"]),
+                      "exposed_ms": statistics.median(s.exposed_ms for s in c["steps"]),
+                      "stalling": statistics.mode(stalls) if stalls else None})
     cost = {m: _records_cost(m, args.cost_rounds, args.steps, rank) for m in args.models}
     return {"cells": cells, "baselines": baselines, "records_cost": cost}
 
@@ -217,7 +229,8 @@ def main():
     parser.add_argument("--caps", type=floats, default=[0.25, 1.0, 4.0, 25.0], help="bucket_cap_mb values")
     parser.add_argument("--chunks", type=floats, default=[0.0, 1.0], help="allreduce_chunk_mb values (0: whole buckets)")
     parser.add_argument("--latency", default="20us")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per cell per round")
     parser.add_argument("--cost-rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", metavar="PNG", help="e.g. benchmarks/bench_overlap.png")
