@@ -9,7 +9,9 @@ ring over a link of that bandwidth and latency allows; the data still move
 through the transport behind it, so results are bitwise unchanged. See
 [Note: simulated network] in csrc/transport/sim_net_transport.cpp for the
 model; ``model_seconds`` below is the same formula in Python, the oracle
-the tests hold the C++ wrapper to.
+the tests hold the C++ wrapper to. It governs pydist's own transports (shared
+memory, the process group); a comm hook registered on the wrapper does its
+own communication, which the simulated link does not slow.
 """
 
 from __future__ import annotations

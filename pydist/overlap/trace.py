@@ -6,7 +6,8 @@
 
 One file per rank, ``DIR/rank{R}.json``, written when the process group is
 destroyed, when the process exits, and on an uncaught exception (whatever
-was recorded by then). One trace process per rank (pid = rank); its tracks
+was recorded by then; under mpiexec the rank that raised writes its trace
+before pydist aborts the job, and ranks the abort kills write none). One trace process per rank (pid = rank); its tracks
 (tids), per wrapper w (tid = 1000 w + track):
 
     0  steps            one slice per step: prepare_for_backward to grads written back
