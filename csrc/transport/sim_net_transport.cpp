@@ -133,22 +133,19 @@ class SimNetTransport : public WrappingTransport {
   ~SimNetTransport() override { timer_->stop(); }
 
   Future all_reduce(at::Tensor piece, double scale) override {
-    const int64_t bytes = static_cast<int64_t>(piece.nbytes());
-    return delayed(Collective::kAllReduce, bytes, WrappingTransport::all_reduce(std::move(piece), scale));
+    return delayed(Collective::kAllReduce, piece.nbytes(), [&] { return WrappingTransport::all_reduce(piece, scale); });
   }
   Future all_reduce_bucket(at::Tensor piece, double scale, c10d::GradBucket& bucket) override {
-    const int64_t bytes = static_cast<int64_t>(piece.nbytes());
-    return delayed(Collective::kAllReduce, bytes,
-                   WrappingTransport::all_reduce_bucket(std::move(piece), scale, bucket));
+    return delayed(Collective::kAllReduce, piece.nbytes(),
+                   [&] { return WrappingTransport::all_reduce_bucket(piece, scale, bucket); });
   }
   Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) override {
-    const int64_t bytes = static_cast<int64_t>(input.nbytes());
-    return delayed(Collective::kReduceScatter, bytes,
-                   WrappingTransport::reduce_scatter(std::move(input), std::move(output_shard), scale));
+    return delayed(Collective::kReduceScatter, input.nbytes(),
+                   [&] { return WrappingTransport::reduce_scatter(input, output_shard, scale); });
   }
   Future all_gather(at::Tensor shard, at::Tensor output) override {
-    const int64_t bytes = static_cast<int64_t>(output.nbytes());
-    return delayed(Collective::kAllGather, bytes, WrappingTransport::all_gather(std::move(shard), std::move(output)));
+    return delayed(Collective::kAllGather, output.nbytes(),
+                   [&] { return WrappingTransport::all_gather(shard, output); });
   }
 
   std::string name() const override { return "sim_net(" + inner_->name() + ")"; }
@@ -175,11 +172,13 @@ class SimNetTransport : public WrappingTransport {
     return static_cast<int64_t>(seconds * 1e9 + 0.5);
   }
 
-  // Launches on inner (already done by the caller) and returns a future that
-  // completes at max(modelled end, inner's completion).
-  Future delayed(Collective kind, int64_t bytes, Future inner) {
+  // Launches the collective on inner (`launch_inner`) and returns a future
+  // that completes at max(modelled end, inner's completion). The modelled
+  // transfer starts when this is called, before inner sees the collective.
+  template <typename Launch>
+  Future delayed(Collective kind, size_t nbytes, Launch&& launch_inner) {
     const int64_t launch = steady_now_ns();
-    const int64_t duration = model_ns(kind, bytes);
+    const int64_t duration = model_ns(kind, static_cast<int64_t>(nbytes));
     int64_t due;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -188,6 +187,7 @@ class SimNetTransport : public WrappingTransport {
       ++calls_;
       model_ns_ += duration;
     }
+    Future inner = launch_inner();
     auto done = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
     const bool stamp = stamp_completion();
     // Runs on the thread that completes the inner collective: never blocks.

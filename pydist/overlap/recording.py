@@ -57,12 +57,26 @@ class StepLog:
     """Every record of one wrapper since recording began (up to ``limit``
     steps, the newest kept), drained from the reducer's ring."""
 
-    def __init__(self, ddp, keep: int = DEFAULT_KEEP, limit: int = 100_000):
+    def __init__(self, ddp, keep: int = DEFAULT_KEEP, limit: int = 10_000):
         self._ddp = weakref.ref(ddp)
         self.keep = keep
         self.records: collections.deque = collections.deque(maxlen=limit)
         self._last_iteration = -1
-        self._hook = ddp.register_forward_hook(_DrainAtBackwardEnd(self))
+        self._hook = None  # the forward hook, while the log follows the wrapper
+        self.follow()
+
+    def follow(self) -> None:
+        """Copy each step's record as its backward ends (see [Note: draining
+        at the end of backward])."""
+        ddp = self._ddp()
+        if self._hook is None and ddp is not None:
+            self._hook = ddp.register_forward_hook(_DrainAtBackwardEnd(self))
+
+    def unfollow(self) -> None:
+        self.drain()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def drain(self) -> None:
         """Copies the records the reducer holds that the log lacks."""
@@ -87,10 +101,6 @@ class StepLog:
 
     def clear(self) -> None:
         self.records.clear()
-
-    def close(self) -> None:
-        self.drain()
-        self._hook.remove()
 
 
 # [Note: draining at the end of backward]
@@ -160,6 +170,8 @@ def record(ddp=None, keep: int = DEFAULT_KEEP) -> None:
     ddp.set_record_timing(True, keep=keep)
     if _log_of(ddp) is None:
         _logs[ddp] = StepLog(ddp, keep)
+    else:
+        _logs[ddp].follow()
 
 
 def stop(ddp=None) -> None:
@@ -173,8 +185,7 @@ def stop(ddp=None) -> None:
         return
     log = _log_of(ddp)
     if log is not None:
-        log.drain()
-        log._hook.remove()
+        log.unfollow()
     ddp.set_record_timing(False, keep=log.keep if log else DEFAULT_KEEP)
 
 

@@ -57,6 +57,9 @@ def _recording(rank, world_size):
     overlap.stop()
     _steps(later, 1, rank)
     assert len(overlap.steps(later)) == 2
+    overlap.record(later)  # on again: follows each step again
+    _steps(later, 2, rank)
+    assert [s.iteration for s in overlap.steps(later)] == [0, 1, 3, 4]
     dist.barrier()
     return True
 
