@@ -113,12 +113,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets, c10::intrusive_ptr<c10d::ProcessGroup> pg,
                        bool gradient_as_bucket_view, bool find_unused_parameters, bool static_graph,
-                       bool record_timing, int64_t chunk_bytes, std::shared_ptr<tp::Transport> transport,
+                       bool rebuild_buckets, bool record_timing, int64_t chunk_bytes, std::shared_ptr<tp::Transport> transport,
                        int64_t records_kept) {
              pydist::ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
+             options.rebuild_buckets = rebuild_buckets;
              options.record_timing = record_timing;
              options.chunk_bytes = chunk_bytes;
              options.records_kept = records_kept;
@@ -128,7 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
-           py::arg("static_graph") = false, py::arg("record_timing") = false,
+           py::arg("static_graph") = false, py::arg("rebuild_buckets") = false, py::arg("record_timing") = false,
            py::arg("chunk_bytes") = pydist::ReducerOptions{}.chunk_bytes, py::arg("transport") = nullptr,
            py::arg("records_kept") = pydist::kDefaultRecordsKept)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, nogil)
@@ -143,12 +144,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 current->world_size()));
           },
           py::arg("state"), py::arg("hook"))
+      .def("set_transport", &Reducer::set_transport, py::arg("transport"),
+           "Puts another transport (a wrapper in front of this one) under the reducer; before the first backward")
       .def_property_readonly("transport", &Reducer::transport)
       .def("match_all_reduce_for_bwd_pass", &Reducer::match_all_reduce_for_bwd_pass, nogil)
       .def("match_unused_params_allreduce", &Reducer::match_unused_params_allreduce, nogil)
-      .def("ready_order", &Reducer::ready_order)
+      .def("pending_rebuild_order", &Reducer::pending_rebuild_order,
+           "The order gradients became ready, when a bucket rebuild is due; else None")
       .def("bucket_indices", &Reducer::bucket_indices)
-      .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
+      .def_property_readonly("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets)
       .def("last_record", &Reducer::last_record)
       .def("iteration_records", &Reducer::iteration_records)
       .def("clear_records", &Reducer::clear_records)

@@ -15,7 +15,27 @@
 // No Python runs per gradient. Every collective goes through one
 // transport::Transport (csrc/transport/transport.h), which keeps one Future
 // per piece in flight; a user's comm hook is a transport too (it runs once
-// per bucket, inside launch_chunk).
+// per bucket, inside launch_chunk). The levels below the pipeline live in
+// files of their own: bucket.h (Bucket, Chunk: layout and chunking),
+// grad_placement.h (how .grad meets its bucket slot: copy, bucket view or
+// resident, chosen once), records.h (what an iteration measured).
+//
+// [Note: reducer state]
+// The reducer is in one of three states (ReducerState):
+//   Idle      no backward armed: hooks only note which parameters were used
+//             (no_sync, or a backward DDP was not armed for).
+//   Armed     prepare_for_backward ran; no gradient of this backward has
+//             arrived yet (a forward may arm again, e.g. one whose output got
+//             no backward).
+//   Reducing  the first gradient arrived (or static_graph's first iteration
+//             reduces everything at once): buckets launch; finalize_backward
+//             must run before the next arming, and returns to Idle.
+// The bucket layout is Initial (the construction-time assignment) until the
+// wrapper rebuilds it, once, from the order gradients became ready (Rebuilt).
+// Whether that rebuild happens is the wrapper's decision
+// (ReducerOptions::rebuild_buckets), made where the assignment is computed
+// (pydist/ddp/buckets.py); whether the graph is walked for unused parameters
+// is the reducer's (dynamic_find_unused()).
 //
 // [Note: averaging]
 // Gradients are averaged by world size as torch does it: each gradient is
@@ -93,7 +113,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -102,6 +121,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "reducer/bucket.h"
+#include "reducer/grad_placement.h"
 #include "reducer/records.h"
 #include "transport/transport.h"
 
@@ -112,10 +133,18 @@ struct ReducerOptions {
   bool gradient_as_bucket_view = false;
   bool find_unused_parameters = false;
   bool static_graph = false;
+  // Record the order gradients become ready, so the wrapper can rebuild the
+  // buckets from it once (pending_rebuild_order). See [Note: reducer state].
+  bool rebuild_buckets = false;
   bool record_timing = false;  // keep records (off: no clock reads); see records.h
   int64_t records_kept = kDefaultRecordsKept;  // how many iterations' records to keep
   int64_t chunk_bytes = int64_t{4} << 20;  // all-reduce pieces; 0: whole buckets. See [Note: chunked launches]
 };
+
+// See [Note: reducer state].
+enum class ReducerState { kIdle, kArmed, kReducing };
+enum class BucketLayout { kInitial, kRebuilt };
+const char* state_name(ReducerState state);
 
 // The handle torch gives for a parameter's gradient accumulator: an
 // intrusive pointer in torch 2.13, a shared pointer in older releases.
@@ -131,7 +160,7 @@ class Reducer {
   // unused-parameter map) and the transport that carries the chunks: it must
   // span the same ranks and carry every parameter's dtype and device (see
   // [Note: which transport]). Registers a post-hook on each parameter's
-  // gradient accumulator.
+  // gradient accumulator. Starts Idle, layout Initial.
   Reducer(std::vector<at::Tensor> params,
           std::vector<std::string> param_names,
           std::vector<std::vector<int64_t>> bucket_indices,
@@ -145,33 +174,40 @@ class Reducer {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Replaces the bucket assignment (same contract as the constructor's).
-  // Called once by the Python wrapper after the first iteration, with the
-  // assignment rank 0 derived from the order gradients became ready. Must
-  // not be called during backward.
-  void initialize_buckets(std::vector<std::vector<int64_t>> bucket_indices);
+  // The ready order to rebuild the buckets from, when a rebuild is due:
+  // rebuild_buckets was asked for, the layout is still Initial, an iteration
+  // recorded the order, and the reducer is not Reducing (a backward that
+  // left buckets unreduced is reported by prepare_for_backward instead).
+  // Otherwise nullopt. Called by the wrapper before each forward.
+  std::optional<std::vector<int64_t>> pending_rebuild_order() const;
 
-  // initialize_buckets once, from the assignment rank 0 derived from
-  // ready_order(); afterwards should_rebuild_buckets() is false for good.
+  // Replaces the bucket assignment (the constructor's contract) with the
+  // one rank 0 derived from pending_rebuild_order(); the layout becomes
+  // Rebuilt for good. Not while Reducing.
   void rebuild_buckets(std::vector<std::vector<int64_t>> bucket_indices);
 
-  // Arms the reducer for the backward of the forward that just ran.
-  // Raises if the previous backward left buckets unreduced (parameters that
-  // got no gradient without find_unused_parameters), naming them. With
-  // find_unused_parameters, walks the autograd graph from `outputs` to find
-  // the parameters this backward will not reach. Called from Python after
+  // Idle or Armed -> Armed: arms the reducer for the backward of the forward
+  // that just ran. Raises if Reducing (the previous backward left buckets
+  // unreduced: parameters that got no gradient without
+  // find_unused_parameters), naming them. With dynamic find-unused, walks
+  // the autograd graph from `outputs` to find the parameters this backward
+  // will not reach; otherwise ignores them. Called from Python after
   // forward, only when gradients are to be synchronized (not under no_sync).
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
-  // static_graph, first iteration only: reduces every bucket at once at the
-  // end of backward (the graph is not known yet). Queued by the wrapper as an
-  // autograd engine callback from the backward of its output sink.
+  // Armed -> Reducing -> Idle, static_graph's first iteration only: reduces
+  // every bucket at once at the end of backward (the graph is not known
+  // yet). Queued by the wrapper as an autograd engine callback from the
+  // backward of its output sink.
   void delay_all_reduce();
 
-  // Replaces the transport with a comm hook's adapter (transport/
-  // comm_hook_transport.h: `hook(state, bucket) -> Future[Tensor]` runs once
-  // per bucket). Must be called before the first backward, once.
+  // Replaces the transport, Idle and before the first backward: the comm
+  // hook's adapter (transport/comm_hook_transport.h: `hook(state, bucket) ->
+  // Future[Tensor]` runs once per bucket; only one comm hook per reducer)
+  // or a wrapper in front of the current transport. Re-chunks the buckets
+  // and chooses the gradient placement again for it.
   void set_comm_hook(std::shared_ptr<transport::Transport> hook_transport);
+  void set_transport(std::shared_ptr<transport::Transport> transport);
 
   // The transport the chunks go through.
   std::shared_ptr<transport::Transport> transport() const;
@@ -181,19 +217,16 @@ class Reducer {
   // zero buckets, and waits for them.
   void match_all_reduce_for_bwd_pass();
 
-  // With find_unused_parameters on a joined rank: matches the all-reduce of
-  // the "parameter used" map that active ranks launch.
+  // Joined rank, after match_all_reduce_for_bwd_pass: matches the
+  // all-reduce of the "parameter used" map that active ranks launch with
+  // dynamic find-unused; does nothing otherwise.
   void match_unused_params_allreduce();
-
-  // Parameter indices in the order their gradients became ready in the
-  // last iteration that recorded it (for rebuilding buckets).
-  std::vector<int64_t> ready_order() const;
 
   // Current bucket assignment, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
 
-  // Whether buckets should be rebuilt from ready_order() at the next forward.
-  bool should_rebuild_buckets() const;
+  // Whether the buckets were rebuilt (layout Rebuilt).
+  bool has_rebuilt_buckets() const;
 
   // Average over `divisor` ranks instead of the world size from now on.
   // join(divide_by_initial_world_size=False) sets it every iteration to the
@@ -212,34 +245,6 @@ class Reducer {
   void set_record_timing(bool on, int64_t keep);
 
  private:
-  // A piece of a bucket reduced by one collective: consecutive slots whose
-  // gradients launch as soon as they, and every chunk before, are ready.
-  struct Chunk {
-    size_t first_slot = 0;  // the slots [first_slot, end_slot) of its bucket
-    size_t end_slot = 0;
-    int64_t offset = 0;     // element range of the bucket buffer it covers
-    int64_t numel = 0;
-    size_t pending = 0;     // its gradients not yet ready this iteration
-    transport::Future future;  // its all-reduce in flight, from launch to finalize
-  };
-
-  // One group of gradients: the unit comm hooks and records see.
-  struct Bucket {
-    std::vector<int64_t> param_indices;   // into params_, in buffer order
-    std::vector<size_t> offsets;          // element offset of each in buffer
-    std::vector<size_t> lengths;          // numel of each
-    std::vector<c10::IntArrayRef> sizes;  // shape of each (params_ own them)
-    at::Tensor buffer;                    // flat gradients, reduced in place
-    std::vector<at::Tensor> views;        // views of buffer shaped like params
-    std::vector<Chunk> chunks;            // launch units, in order
-    std::vector<size_t> chunk_of_slot;    // which chunk each slot belongs to
-    // Per slot, the storage its .grad was moved onto, if any (see [Note:
-    // resident gradients]); alive while anything still holds that gradient.
-    std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> resident;
-    size_t next_chunk = 0;                // next chunk to launch this iteration
-    BucketRecord record;                  // this iteration's, one ChunkRecord per chunk
-  };
-
   // Where a parameter's gradient lives.
   struct Locator {
     size_t bucket = 0;
@@ -252,74 +257,61 @@ class Reducer {
   void launch_ready_chunks();
   void launch_chunk(size_t bucket_index, size_t chunk_index);
   void finalize_backward();
-  void finalize_chunk(Bucket& bucket, const Chunk& chunk, const at::Tensor& result);
 
   // --- helpers ---
   void check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const;
-  void split_into_chunks(Bucket& bucket) const;
-  void initialize_buckets_locked(std::vector<std::vector<int64_t>> bucket_indices);
-  void allocate_buffer(Bucket& bucket) const;
-  // [Note: resident gradients]
-  bool resident_grads() const;
-  bool in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const;
-  void note_grads_before_backward();
-  void make_bucket_writable(Bucket& bucket);
-  bool can_move_into_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) const;
-  void move_into_slot(Bucket& bucket, size_t slot, at::Tensor& grad);
-  bool should_rebuild_buckets_locked() const;
+  void initialize_buckets(std::vector<std::vector<int64_t>> bucket_indices);
+  void adopt_transport(std::shared_ptr<transport::Transport> transport);
+  void check_state(ReducerState expected, const char* where) const;
+  void check_before_first_backward(const char* what) const;
   void reset_for_backward();
   void launch_local_used_allreduce();
-  bool globally_unused(int64_t index) const;
-  at::Tensor& zeros_for(int64_t index);
+  transport::Future all_reduce(size_t bucket_index, const at::Tensor& buffer, const Chunk& chunk, double scale);
   std::string describe_unready_params() const;
   int64_t now_ns() const;  // ns since start_ns_; only while recording_
-  c10d::GradBucket grad_bucket(size_t bucket_index, const at::Tensor& buffer) const;
   bool static_graph_first_iteration() const { return options_.static_graph && num_iterations_ == 0; }
   bool dynamic_find_unused() const { return options_.find_unused_parameters && !options_.static_graph; }
+  bool records_ready_order() const { return options_.rebuild_buckets && layout_ == BucketLayout::kInitial; }
 
   // Fixed at construction.
   std::vector<at::Tensor> params_;
   std::vector<std::string> param_names_;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
-  std::shared_ptr<transport::Transport> transport_;  // carries every chunk: [Note: which transport]
-  bool transport_replaced_ = false;  // set_comm_hook ran (once only)
   ReducerOptions options_;
   double average_scale_;  // 1 / world size; see [Note: averaging]
   std::vector<AccumulatorPtr> grad_accumulators_;  // kept alive: hooks live on them
   std::vector<uintptr_t> hook_keys_;  // to remove our post-hooks in ~Reducer
   std::unordered_map<torch::autograd::Node*, int64_t> accumulator_index_;  // for the unused-parameter graph walk
 
-  // Replaced by initialize_buckets.
+  // Chosen with the transport (construction, set_transport / set_comm_hook).
+  std::shared_ptr<transport::Transport> transport_;  // carries every chunk: [Note: which transport]
+  std::unique_ptr<GradPlacement> placement_;         // how .grad meets its slot: grad_placement.h
+
+  // Replaced by rebuild_buckets.
   std::vector<Bucket> buckets_;
   std::vector<Locator> locators_;
+  BucketLayout layout_ = BucketLayout::kInitial;
 
   // Per-iteration state, reset by prepare_for_backward.
   mutable std::mutex mutex_;
-  bool expect_hooks_ = false;          // armed: hooks count towards this backward
-  bool require_finalize_ = false;      // a param was marked ready; finalize must run
-  bool marked_unused_ = false;         // unused_params_ were marked ready this iteration
+  ReducerState state_ = ReducerState::kIdle;  // [Note: reducer state]
   size_t next_bucket_ = 0;             // next bucket to launch (buckets launch in order)
   std::vector<bool> ready_;            // param marked ready this iteration
   std::vector<int64_t> unused_params_; // found by the graph walk / static first iteration
-  std::vector<int64_t> ready_order_;   // order gradients became ready (for the rebuild)
-  std::vector<bool> had_grad_;         // .grad existed outside its slot when armed (resident_grads)
-  bool has_rebuilt_ = false;           // buckets were rebuilt from ready_order_ already
+  std::vector<int64_t> ready_order_;   // order gradients became ready (while records_ready_order())
 
   // find_unused_parameters / static_graph: which params got a gradient.
   // Accumulates across no_sync iterations; reset after each reduction.
   at::Tensor local_used_;               // int32 [num params] on CPU
-  at::Tensor global_used_;              // the all-reduced copy
+  at::Tensor used_in_flight_;           // its copy being all-reduced, with:
   c10::intrusive_ptr<c10d::Work> local_used_work_;
-  bool have_global_used_ = false;       // global_used_ holds a reduced map
+  at::Tensor global_used_;              // the last reduced map; undefined until there is one
 
   // static_graph: gradient hook calls per parameter, counted in the first
   // iteration (a parameter used twice, or checkpointed reentrantly, fires
   // more than once) and counted down every iteration after.
   std::vector<int64_t> hook_calls_expected_;
   std::vector<int64_t> hook_calls_left_;
-
-  // Zero tensors standing in for gradients of parameters unused this iteration.
-  std::vector<at::Tensor> zeros_;
 
   int64_t num_iterations_ = 0;  // reduced iterations so far
 

@@ -1,6 +1,8 @@
 // Collectives through shared memory: see shm_transport.h and its note.
 #include "transport/shm_transport.h"
 
+#include "ops/scaled_copy.h"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -105,29 +107,24 @@ void futex_sleep(uint32_t* word, uint32_t seen) {
 }
 
 // --- the arithmetic: torch's, element by element ------------------------
-// A product or sum of reduced-precision floats is taken in float and rounded
-// back, as torch's mul_out (the pre-division) and gloo's sum do.
-template <typename T> struct Accumulate { using type = float; };
-template <> struct Accumulate<double> { using type = double; };
-template <typename T> using acc_t = typename Accumulate<T>::type;
+// A product or sum of reduced-precision floats is taken in float (the
+// dtype's opmath type) and rounded back, as torch's mul_out (the
+// pre-division) and gloo's sum do. The product is ops::scaled, shared with
+// the flatten kernels (ops/scaled_copy.h), so every scale rounds alike.
+template <typename T> using acc_t = at::opmath_type<T>;
+using ops::scaled;
 
-template <typename T>
-inline T scaled(T x, acc_t<T> s) { return static_cast<T>(static_cast<acc_t<T>>(x) * s); }
 template <typename T>
 inline T add(T a, T b) { return static_cast<T>(static_cast<acc_t<T>>(a) + static_cast<acc_t<T>>(b)); }
 
+// dst = src * s; dst may be src (an in-place scale).
 template <typename T>
-void copy_scaled(T* __restrict dst, const T* __restrict src, int64_t n, acc_t<T> s) {
+void copy_scaled(T* dst, const T* src, int64_t n, acc_t<T> s) {
   if (s == acc_t<T>(1)) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+    if (dst != src) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
     return;
   }
-  for (int64_t i = 0; i < n; ++i) dst[i] = scaled(src[i], s);
-}
-
-template <typename T>
-void scale_in_place(T* data, int64_t n, acc_t<T> s) {
-  for (int64_t i = 0; i < n; ++i) data[i] = scaled(data[i], s);
+  ops::scaled_copy(dst, src, n, static_cast<double>(s));
 }
 
 // Two ranks: mine = mine*s + peer (the peer's term arrives scaled), into
@@ -427,7 +424,7 @@ void ShmTransport::run_pieces(T* data, int64_t numel, Scale scale) {
   const int64_t n = world_size_;
   const int64_t r = rank_;
   if (n == 1) {  // nothing to exchange; the scale still applies
-    if (scale != Scale(1)) scale_in_place(data, numel, scale);
+    copy_scaled(data, data, numel, scale);
     return;
   }
   // Slices are multiples of 16 elements, so each starts on a cache line.

@@ -5,7 +5,8 @@ list order. Two assignments happen in a model's life:
 
 1. At construction, from the parameter order (see ``initial_buckets``).
 2. Once, after the first iteration, from the order gradients actually became
-   ready (``Reducer.ready_order()``), so that the first bucket to fill is the
+   ready (``Reducer.pending_rebuild_order()``), when ``rebuilds_buckets`` says
+   so (this module decides; the reducer only records the order), so that the first bucket to fill is the
    first to launch. Ranks may see slightly different orders; all adopt rank 0's
    assignment (``agree_on_buckets``) so every rank launches the same
    collectives in the same sequence.
@@ -56,19 +57,24 @@ def assign_by_size(
     return closed
 
 
-def initial_buckets(
-    params: Sequence[torch.Tensor], first_cap: int, cap: int, find_unused_parameters: bool, static_graph: bool
-) -> list[list[int]]:
+def rebuilds_buckets(find_unused_parameters: bool, static_graph: bool) -> bool:
+    """Whether the buckets are rebuilt once, after the first iteration, from
+    the order gradients became ready (the reducer records that order only
+    when told so). Torch's rule: not with find_unused_parameters (unless
+    static_graph), where the set of gradients may change every iteration."""
+    return static_graph or not find_unused_parameters
+
+
+def initial_buckets(params: Sequence[torch.Tensor], first_cap: int, cap: int, rebuilt: bool) -> list[list[int]]:
     """The construction-time assignment, in launch order.
 
-    Without find_unused_parameters (or with static_graph) the buckets are
-    rebuilt from the real gradient order after the first iteration anyway,
-    so the first iteration reduces everything in one bucket per dtype/device
-    rather than guess an order. Otherwise the buckets stay as assigned here:
-    parameters in model order, then the list reversed, since backward
-    produces gradients roughly last layer first.
+    Buckets that will be ``rebuilt`` from the real gradient order after the
+    first iteration (see ``rebuilds_buckets``) start as one bucket per
+    dtype/device rather than guess an order. Otherwise the buckets stay as
+    assigned here: parameters in model order, then the list reversed, since
+    backward produces gradients roughly last layer first.
     """
-    caps = [sys.maxsize] if (static_graph or not find_unused_parameters) else [first_cap, cap]
+    caps = [sys.maxsize] if rebuilt else [first_cap, cap]
     buckets = assign_by_size(params, range(len(params)), caps)
     buckets.sort(key=min)
     return list(reversed(buckets))

@@ -119,9 +119,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     host are all-reduced through shared memory instead of the process group,
     elsewhere on the group; True: shared memory or an error; False: always
     the group; see [Note: which transport]), ``record_timing`` (keep
-    per-bucket timings, read with ``last_iteration_record()``) and
-    ``sim_net`` (e.g. "10Gbps,20us": gradients go over a simulated link, as
-    PYDIST_SIM_NET does; see pydist/overlap/network.py)."""
+    per-chunk and per-bucket records of the last iterations, read with
+    ``iteration_records()`` / ``last_iteration_record()``; see
+    ``set_record_timing`` and pydist/ddp/records.py) and ``sim_net`` (e.g.
+    "10Gbps,20us": gradients go over a simulated link, as PYDIST_SIM_NET
+    does; see pydist/overlap/network.py)."""
 
     def __init__(
         self,
@@ -247,17 +249,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # static_graph: the first backward is reduced all at once at its end;
         # this flag records that the callback doing it has been queued.
         self._static_graph_delay_enqueued = False
-        self._has_rebuilt_buckets = False  # a new reducer rebuilds its buckets after its first iteration
+        rebuild = bucketing.rebuilds_buckets(self.find_unused_parameters, self.static_graph)
         reducer = _C.Reducer(
             self._params,
             self._param_names,
-            bucketing.initial_buckets(
-                self._params, self.first_bucket_bytes_cap, self.bucket_bytes_cap, self.find_unused_parameters, self.static_graph
-            ),
+            bucketing.initial_buckets(self._params, self.first_bucket_bytes_cap, self.bucket_bytes_cap, rebuild),
             self.process_group,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
+            rebuild_buckets=rebuild,
             record_timing=self._record_timing,
             records_kept=self._records_kept,
             chunk_bytes=self._chunk_bytes,
@@ -359,8 +360,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.require_forward_param_sync = False
             return output
         self.require_forward_param_sync = True
-        dynamic_unused = self.find_unused_parameters and not self.static_graph
-        self.reducer.prepare_for_backward(_find_tensors(output) if dynamic_unused else [])
+        # The reducer walks the graph from the outputs only where it looks
+        # for unused parameters (find_unused_parameters without static_graph).
+        self.reducer.prepare_for_backward(_find_tensors(output))
         if self.static_graph and not self._static_graph_delay_enqueued:
             output = _wrap_outputs_in_sink(self, output)
         return output
@@ -394,13 +396,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._param_owner_snapshots = _owner_snapshots(self._param_slots)  # another parameter changed: not ours
 
     def _maybe_rebuild_buckets(self) -> None:
-        if not self.reducer.should_rebuild_buckets():
+        order = self.reducer.pending_rebuild_order()  # None: no rebuild due (see buckets.rebuilds_buckets)
+        if order is None:
             return
-        mine = bucketing.rebuilt_buckets(
-            self._params, self.reducer.ready_order(), self.first_bucket_bytes_cap, self.bucket_bytes_cap
-        )
+        mine = bucketing.rebuilt_buckets(self._params, order, self.first_bucket_bytes_cap, self.bucket_bytes_cap)
         self.reducer.rebuild_buckets(bucketing.agree_on_buckets(mine, len(self._params), self.process_group))
-        self._has_rebuilt_buckets = True
+
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """torch's flag: the buckets were rebuilt from the gradient order."""
+        return self.reducer.has_rebuilt_buckets
 
     # --- buffers ------------------------------------------------------------
 
@@ -614,8 +619,7 @@ class _DDPJoinHook(JoinHook):
         if not should_sync:
             return
         ddp._match_all_reduce_for_bwd_pass()
-        if ddp.find_unused_parameters and not ddp.static_graph:
-            ddp._match_unused_params_allreduce()
+        ddp._match_unused_params_allreduce()  # the reducer knows whether active ranks reduce a used map
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
@@ -808,7 +812,6 @@ def _set_torch_ddp_attributes(ddp: DistributedDataParallel) -> None:
     ddp.skip_all_reduce_unused_params = False
     ddp.batched_grad_copy = False
     ddp._comm_hooks = []
-    ddp._has_rebuilt_buckets = False
     ddp._lazy_init_ran = True
     ddp._ddp_sink_clone = True
 

@@ -110,9 +110,9 @@ class IterationRecord:
 
     def report(self) -> str:
         lines = [
-            f"iteration {self.iteration} (rank {self.rank}, {self.transport}): backward ended at "
-            f"{self.backward_end_ms:.2f} ms, grads ready at {self.finalize_end_ms:.2f} ms "
-            f"(exposed communication {self.exposed_comm_ms:.2f} ms)",
+            f"iteration {self.iteration}: backward ended at {self.backward_end_ms:.2f} ms, grads ready at "
+            f"{self.finalize_end_ms:.2f} ms (exposed communication {self.exposed_comm_ms:.2f} ms); "
+            f"rank {self.rank}, transport {self.transport}",
             f"{'bucket':>6} {'params':>6} {'MB':>8} {'chunks':>6} {'1st grad':>9} {'last grad':>9} {'launch':>9} "
             f"{'complete':>9} {'done':>9} {'hidden':>8}",
         ]

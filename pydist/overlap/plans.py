@@ -94,8 +94,7 @@ def apply_plan(ddp, plan: Plan, reducer=None) -> None:
             f"(pass allreduce_chunk_mb={plan.chunk_bytes / 2**20:g} to hold them fixed)",
             stacklevel=3,
         )
-    reducer.rebuild_buckets(plan.buckets)
-    ddp._has_rebuilt_buckets = True
+    reducer.rebuild_buckets(plan.buckets)  # the layout is Rebuilt for good: no rebuild from the gradient order
     ddp._pydist_replayed_plan = plan
 
 
