@@ -41,6 +41,7 @@ from pydist.ddp import buckets as bucketing
 from pydist.ddp.records import IterationRecord
 from pydist.ddp.shm_transport import open_shm_allreduce
 from pydist.ddp.state_sync import broadcast_tensors, verify_same_model
+from pydist.overlap import hooks as overlap_hooks
 
 __all__ = ["DistributedDataParallel"]
 
@@ -117,10 +118,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     ``shm_allreduce`` (None: gradients of a CPU model whose ranks share one
     host are all-reduced through shared memory instead of the process group,
     elsewhere on the group; True: shared memory or an error; False: always
-    the group; see [Note: which transport]) and ``record_timing`` (keep
+    the group; see [Note: which transport]), ``record_timing`` (keep
     per-chunk and per-bucket records of the last iterations, read with
     ``iteration_records()`` / ``last_iteration_record()``; see
-    ``set_record_timing`` and pydist/ddp/records.py)."""
+    ``set_record_timing`` and pydist/ddp/records.py) and ``sim_net`` (e.g.
+    "10Gbps,20us": gradients go over a simulated link, as PYDIST_SIM_NET
+    does; see pydist/overlap/network.py)."""
 
     def __init__(
         self,
@@ -141,6 +144,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         allreduce_chunk_mb: float = 4.0,
         shm_allreduce: bool | None = None,
         record_timing: bool = False,
+        sim_net: str | None = None,
         **torch_keywords: Any,
     ):
         # Not torch DDP's __init__: it would build torch's reducer. See
@@ -190,6 +194,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._record_timing = record_timing
         self._records_kept = _DEFAULT_RECORDS_KEPT
         self._chunk_bytes = int(allreduce_chunk_mb * bucketing.MB)
+        self._sim_net = sim_net  # [overlap hook] read by overlap_hooks.transport_for
 
         self._collect_params()
         if not self._params:
@@ -219,6 +224,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._comm_hook: tuple | None = None
         # torch's `logger` (a dist.Logger there): what _get_ddp_logging_data reports.
         self.logger = DDPLogger(self)
+        overlap_hooks.attach(self)  # [overlap hook] PYDIST_TRACE, PYDIST_RECORD_PLAN, overlap.record()
 
     def _collect_params(self) -> None:
         """The parameters the reducer owns: those that require grad and are
@@ -244,7 +250,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # this flag records that the callback doing it has been queued.
         self._static_graph_delay_enqueued = False
         rebuild = bucketing.rebuilds_buckets(self.find_unused_parameters, self.static_graph)
-        return _C.Reducer(
+        reducer = _C.Reducer(
             self._params,
             self._param_names,
             bucketing.initial_buckets(self._params, self.first_bucket_bytes_cap, self.bucket_bytes_cap, rebuild),
@@ -256,8 +262,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             record_timing=self._record_timing,
             records_kept=self._records_kept,
             chunk_bytes=self._chunk_bytes,
-            transport=self._shm,  # None: the process group's
+            # [overlap hook] PYDIST_SIM_NET / sim_net= put a simulated link in front
+            transport=overlap_hooks.transport_for(self, self._shm),  # None: the process group's
         )
+        overlap_hooks.reducer_made(self, reducer)  # [overlap hook] PYDIST_REPLAY
+        return reducer
 
     # --- pickling and deepcopy ------------------------------------------------
 

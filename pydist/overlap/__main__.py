@@ -1,0 +1,71 @@
+"""python -m pydist.overlap merge|report: see trace.py and report.py.
+
+    python -m pydist.overlap merge DIR [-o DIR/merged.json]      every DIR/rank*.json
+    python -m pydist.overlap merge a.json b.json -o merged.json
+    python -m pydist.overlap report TRACE.json [--plot OUT.png] [--step N] [--rank R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+
+from pydist.overlap import report, trace
+
+
+def _rank_files(inputs: list[str]) -> list[str]:
+    paths = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = glob.glob(os.path.join(item, "rank*.json"))
+            found.sort(key=lambda p: int(re.search(r"rank(\d+)", os.path.basename(p)).group(1)))
+            if not found:
+                raise SystemExit(f"pydist.overlap merge: no rank*.json in {item}")
+            paths += found
+        else:
+            paths.append(item)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pydist.overlap", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    merge = commands.add_parser("merge", help="merge ranks' traces into one, on a common clock")
+    merge.add_argument("inputs", nargs="+", help="a PYDIST_TRACE directory, or trace files")
+    merge.add_argument("-o", "--output", help="default: merged.json beside the inputs")
+    rep = commands.add_parser("report", help="per-bucket table of a trace; --plot draws one step")
+    rep.add_argument("trace")
+    rep.add_argument("--plot", metavar="OUT.png", help="draw one step's timeline (needs matplotlib)")
+    rep.add_argument("--step", type=int, help="the step to draw (default: the worst by exposed time)")
+    rep.add_argument("--rank", type=int, help="the rank to draw (default: the first in the trace)")
+    args = parser.parse_args(argv)
+
+    if args.command == "merge":
+        paths = _rank_files(args.inputs)
+        output = args.output or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "merged.json")
+        document = trace.merge_traces(paths)
+        trace.write_trace(output, document)
+        print(f"merged {len(paths)} traces (ranks {document['otherData']['merged_ranks']}) into {output}")
+        return 0
+    try:
+        document = trace.load_trace(args.trace)
+    except (OSError, ValueError) as exc:
+        print(f"pydist.overlap report: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(report.report_text(document))
+    if args.plot:
+        try:
+            chosen = report.plot_step(document, args.plot, step=args.step, rank=args.rank)
+        except (RuntimeError, ValueError) as exc:
+            print(f"pydist.overlap report: {exc}", file=sys.stderr)
+            return 2
+        print(f"drew rank {chosen.rank}, step {chosen.step} into {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

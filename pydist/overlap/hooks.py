@@ -1,0 +1,127 @@
+"""What pydist.DistributedDataParallel calls into the overlap lab: three
+marked hooks, so that environment variables change an unchanged script.
+
+    transport_for(ddp, transport)   building the reducer: PYDIST_SIM_NET / sim_net=
+    reducer_made(ddp, reducer)      after it is built: PYDIST_REPLAY
+    attach(ddp)                     end of __init__: PYDIST_TRACE, overlap.record()
+
+Each does nothing (no clock read, no hook registered) when its variable is
+unset and the lab was not asked for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+
+from pydist.overlap import network, plans, recording
+from pydist.overlap import trace as trace_module
+
+__all__ = ["transport_for", "reducer_made", "attach", "TraceSession"]
+
+
+def transport_for(ddp, transport):
+    """The transport the reducer should use: ``transport`` (None: the
+    process group's) behind a simulated link when the wrapper's ``sim_net``
+    keyword or PYDIST_SIM_NET names one; else ``transport`` unchanged."""
+    spec = getattr(ddp, "_sim_net", None)
+    link = network.parse_link(spec) if spec else network.link_from_env()
+    if link is None:
+        return transport
+    from pydist import transport as transports
+
+    inner = transport if transport is not None else transports.ProcessGroupTransport(ddp.process_group)
+    return network.sim_net(inner, link)
+
+
+def reducer_made(ddp, reducer) -> None:
+    """PYDIST_REPLAY=FILE: the reducer takes the recorded bucket assignment
+    and launch order now, and never rebuilds it."""
+    path = os.environ.get(plans.ENV, "").strip()
+    if path:
+        plans.apply_plan(ddp, plans.load_plan(path), reducer)
+
+
+def attach(ddp) -> None:
+    number = recording._register(ddp)
+    directory = os.environ.get(trace_module.ENV, "").strip()
+    if directory:
+        TraceSession.get(directory).add(ddp, number)
+    record_path = os.environ.get(plans.RECORD_ENV, "").strip()
+    if record_path:
+        plans.record_plan_at_exit(ddp, record_path)
+
+
+class TraceSession:
+    """This process's trace: the wrappers it follows and when it writes
+    ``DIR/rank{R}.json`` (process group destroyed, exit, uncaught exception)."""
+
+    _current: "TraceSession | None" = None
+
+    @classmethod
+    def get(cls, directory: str) -> "TraceSession":
+        if cls._current is None or cls._current.directory != directory:
+            cls._current = cls(directory)
+        return cls._current
+
+    def __init__(self, directory: str):
+        import torch.distributed as dist
+
+        self.directory = directory
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.logs: dict[int, recording.StepLog] = {}
+        atexit.register(self.write)
+        self._wrap_destroy_process_group()
+        self._wrap_excepthook()
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, f"rank{self.rank}.json")
+
+    def add(self, ddp, number: int) -> None:
+        recording.record(ddp, keep=recording.DEFAULT_KEEP)
+        self.logs[number] = recording._log_of(ddp)
+
+    def write(self) -> None:
+        """Whatever was recorded so far, replacing the previous file."""
+        for log in self.logs.values():
+            log.drain()
+        document = trace_module.trace_document({n: list(log.records) for n, log in self.logs.items()}, self.rank)
+        try:
+            trace_module.write_trace(self.path, document)
+        except OSError as exc:
+            print(f"pydist.overlap: rank {self.rank} could not write its trace {self.path}: {exc}", file=sys.stderr)
+
+    def _wrap_destroy_process_group(self) -> None:
+        import torch.distributed as dist
+
+        original = dist.destroy_process_group
+        if getattr(original, "pydist_trace_writes", False):
+            return
+        session = self
+
+        def destroy_process_group(*args, **kwargs):
+            TraceSession._current_write(session)
+            return original(*args, **kwargs)
+
+        destroy_process_group.pydist_trace_writes = True
+        destroy_process_group.__wrapped__ = original
+        destroy_process_group.__doc__ = original.__doc__
+        dist.destroy_process_group = destroy_process_group
+        dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+    def _wrap_excepthook(self) -> None:
+        previous = sys.excepthook
+        session = self
+
+        def excepthook(exc_type, exc, tb):
+            TraceSession._current_write(session)
+            previous(exc_type, exc, tb)
+
+        excepthook.pydist_aborts_mpi = getattr(previous, "pydist_aborts_mpi", False)
+        sys.excepthook = excepthook
+
+    @staticmethod
+    def _current_write(fallback: "TraceSession") -> None:
+        (TraceSession._current or fallback).write()

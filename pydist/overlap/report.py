@@ -1,0 +1,159 @@
+"""The per-bucket table and the one-step timeline of a trace.
+
+    python -m pydist.overlap report traces/rank0.json            # or a merged trace
+    python -m pydist.overlap report traces/merged.json --plot step.png [--step N] [--rank R]
+
+The table is the one ``IterationRecord.report()`` prints for one step, over
+every recorded step: per bucket the median of each time (ms from the start
+of the step's backward), the median and worst exposed time (see [Note:
+exposed communication]) and the step of the worst; then, per rank, the
+bucket that stalls the steps: the one with the most exposed time in total,
+with how often the step waited on it last.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+from pydist.overlap.analysis import median
+
+__all__ = ["TraceStep", "steps_from_trace", "report_text", "plot_step"]
+
+
+class TraceStep(NamedTuple):
+    rank: int
+    wrapper: int
+    step: int
+    start_us: float  # in the trace's clock
+    args: dict  # the step event's args
+    buckets: dict  # bucket index -> the bucket event's args
+
+
+def steps_from_trace(document: dict) -> list[TraceStep]:
+    """The steps a trace holds, read back from its events' args, ordered by
+    rank, wrapper and step."""
+    steps: dict[tuple, TraceStep] = {}
+    buckets: dict[tuple, dict] = collections.defaultdict(dict)
+    for e in document["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        key = (e["pid"], e["tid"] // 1000, e["args"].get("step"))
+        if cat == "step":
+            steps[key] = TraceStep(e["pid"], key[1], key[2], e["ts"], e["args"], {})
+        elif cat == "comm":
+            buckets[key][e["args"]["bucket"]] = e["args"]
+    out = []
+    for key in sorted(steps):
+        out.append(steps[key]._replace(buckets=dict(sorted(buckets.get(key, {}).items()))))
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:9.2f}"
+
+
+def report_text(document: dict) -> str:
+    steps = steps_from_trace(document)
+    if not steps:
+        return "no recorded steps in this trace (was record_timing on, and did a synchronized backward run?)"
+    lines = []
+    groups = collections.defaultdict(list)
+    for s in steps:
+        groups[(s.rank, s.wrapper)].append(s)
+    for (rank, wrapper), group in sorted(groups.items()):
+        transport = group[-1].args.get("transport", "")
+        title = f"rank {rank}" + (f", wrapper {wrapper}" if wrapper else "") + f" ({transport}): {len(group)} steps"
+        exposed = [s.args["exposed_ms"] for s in group]
+        worst = max(group, key=lambda s: s.args["exposed_ms"])
+        lines += [
+            title,
+            f"  step: backward {median([s.args['backward_end_ms'] for s in group]):.2f} ms, grads ready "
+            f"{median([s.args['finalize_end_ms'] for s in group]):.2f} ms, exposed communication median "
+            f"{median(exposed):.2f} ms, worst {worst.args['exposed_ms']:.2f} ms (step {worst.step})  [medians over steps]",
+            f"  {'bucket':>6} {'MB':>8} {'chunks':>6} {'1st grad':>9} {'last grad':>9} {'launch':>9} {'complete':>9} "
+            f"{'done':>9} {'hidden':>9} {'exposed':>9} {'worst':>9} {'at step':>7}",
+        ]
+        per_bucket = collections.defaultdict(list)
+        for s in group:
+            for b, a in s.buckets.items():
+                per_bucket[b].append((s.step, a))
+        total_exposed = {}
+        for b, entries in sorted(per_bucket.items()):
+            col = lambda k: median([a[k] for _, a in entries])  # noqa: E731
+            worst_step, worst_args = max(entries, key=lambda e: e[1]["exposed_ms"])
+            total_exposed[b] = sum(a["exposed_ms"] for _, a in entries)
+            lines.append(
+                f"  {b:>6} {entries[-1][1]['bytes'] / 2**20:>8.2f} {entries[-1][1].get('chunks', 0):>6}"
+                + "".join(_fmt(col(k)) for k in ("first_grad_ms", "last_grad_ms", "launch_ms", "complete_ms", "done_ms",
+                                                 "hidden_ms", "exposed_ms"))
+                + f"{worst_args['exposed_ms']:9.2f} {worst_step:>7}"
+            )
+        waited_last = collections.Counter(s.args.get("waited_last") for s in group)
+        if not total_exposed or max(total_exposed.values()) <= 0:
+            lines.append("  no bucket stalled a step: all communication was hidden behind backward")
+        else:
+            stall = max(total_exposed, key=total_exposed.get)
+            lines.append(
+                f"  stalling bucket: {stall} ({total_exposed[stall] / len(group):.2f} ms exposed per step on average, "
+                f"{100 * total_exposed[stall] / max(sum(total_exposed.values()), 1e-12):.0f}% of all exposed time); "
+                f"the step waited on it last in {waited_last.get(stall, 0)} of {len(group)} steps"
+            )
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot_step(document: dict, out_png: str, step: int | None = None, rank: int | None = None) -> TraceStep:
+    """Draws one step's timeline (default: the first rank's worst step by
+    exposed time): backward as a bar, each bucket's communication as a bar,
+    its exposed part hatched in red, write-back after it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(
+            "pydist.overlap report --plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(it is in requirements-dev.txt and pydist's [dev] extra)"
+        ) from exc
+    steps = steps_from_trace(document)
+    if rank is None and steps:
+        rank = steps[0].rank
+    candidates = [s for s in steps if s.rank == rank and (step is None or s.step == step)]
+    if not candidates:
+        raise ValueError(f"report --plot: no step {'' if step is None else step} of rank {rank} in this trace")
+    chosen = max(candidates, key=lambda s: s.args["exposed_ms"])
+    a = chosen.args
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * (len(chosen.buckets) + 1)))
+    rows = ["backward"] + [f"bucket {b}" for b in chosen.buckets]
+    labelled = set()
+
+    def bar(y, start, length, height, label, **style):
+        ax.broken_barh([(start, max(length, 0.01))], (y - height / 2, height),
+                       label=None if label in labelled else label, **style)
+        labelled.add(label)
+
+    bar(0, 0, a["backward_end_ms"], 0.7, "backward compute", color="tab:blue")
+    for y, ba in enumerate(chosen.buckets.values(), 1):
+        if ba["first_grad_ms"] >= 0:
+            bar(y - 0.3, ba["first_grad_ms"], ba["last_grad_ms"] - ba["first_grad_ms"], 0.12, "gradients ready",
+                color="tab:gray")
+        bar(y, ba["launch_ms"], ba["complete_ms"] - ba["launch_ms"], 0.5, "communication", color="tab:green")
+        if ba["exposed_ms"] > 0:
+            bar(y, ba["complete_ms"] - ba["exposed_ms"], ba["exposed_ms"], 0.5, "exposed (finalize waits)",
+                facecolor="none", edgecolor="tab:red", hatch="///")
+        if ba["write_back_ms"] > 0:
+            bar(y, ba["done_ms"] - ba["write_back_ms"], ba["write_back_ms"], 0.5, "write-back", color="tab:orange")
+    ax.axvline(a["backward_end_ms"], color="k", lw=0.8, ls="--")
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's backward began")
+    ax.set_title(f"rank {chosen.rank}, step {chosen.step}: exposed communication {a['exposed_ms']:.2f} ms"
+                 + (f", stalled on bucket {a['stalling']}" if a.get("stalling") is not None else ""))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return chosen

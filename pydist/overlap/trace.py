@@ -1,0 +1,205 @@
+"""Chrome trace JSON (Perfetto, chrome://tracing) from the reducer's records.
+
+    PYDIST_TRACE=traces/ torchrun --nproc_per_node=2 train.py   # any unchanged script
+    python -m pydist.overlap merge traces/ -o traces/merged.json
+    python -m pydist.overlap report traces/merged.json [--plot step.png]
+
+One file per rank, ``DIR/rank{R}.json``, written when the process group is
+destroyed, when the process exits, and on an uncaught exception (whatever
+was recorded by then; under mpiexec the rank that raised writes its trace
+before pydist aborts the job, and ranks the abort kills write none). One trace process per rank (pid = rank); its tracks
+(tids), per wrapper w (tid = 1000 w + track):
+
+    0  steps            one slice per step: prepare_for_backward to grads written back
+    1  backward         prepare_for_backward to the end of autograd
+    2  gradients ready  per bucket, its first to its last gradient becoming ready
+    3  exposed wait     finalize waiting for a bucket's collective after autograd ended
+    4  write-back       finalize writing a bucket's results back into .grad
+    10+b  bucket b      its communication, launch to completion; its chunks as
+                        async slices (they may overlap each other)
+
+Times are microseconds on the steady clock (time.monotonic_ns), the
+reducer's. Each event's args carry the step, bucket, bytes and the exposed
+and hidden milliseconds of [Note: exposed communication]; the report reads
+them back from there. ``otherData`` holds the rank, host, transport and a
+(monotonic, realtime) pair read together, which ``merge`` uses to put ranks
+on different hosts on one clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Iterable
+
+from pydist.overlap.analysis import analyze_step, chunk_exposure
+
+__all__ = ["ENV", "TRACK_STEPS", "step_events", "trace_document", "write_trace", "merge_traces", "load_trace"]
+
+ENV = "PYDIST_TRACE"
+FORMAT = "pydist.overlap/1"
+TRACK_STEPS, TRACK_BACKWARD, TRACK_GRADS, TRACK_EXPOSED, TRACK_WRITE_BACK = 0, 1, 2, 3, 4
+TRACK_BUCKET0 = 10
+_TRACKS_PER_WRAPPER = 1000
+_TRACK_NAMES = {
+    TRACK_STEPS: "steps",
+    TRACK_BACKWARD: "backward compute",
+    TRACK_GRADS: "gradients ready",
+    TRACK_EXPOSED: "exposed wait",
+    TRACK_WRITE_BACK: "write-back",
+}
+
+
+def _slice(name, cat, pid, tid, start_us, end_us, args) -> dict:
+    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": start_us,
+            "dur": max(0.0, end_us - start_us), "args": args}
+
+
+def step_events(record, rank: int, wrapper: int = 0) -> list[dict]:
+    """The events of one IterationRecord (see the module comment)."""
+    base_us = record.start_ns / 1e3
+    us = lambda ms: base_us + ms * 1e3  # noqa: E731
+    tid = lambda track: wrapper * _TRACKS_PER_WRAPPER + track  # noqa: E731
+    step = analyze_step(record)
+    it = record.iteration
+    events = [
+        _slice(f"step {it}", "step", rank, tid(TRACK_STEPS), us(0.0), us(record.finalize_end_ms), {
+            "step": it, "bytes": sum(b.bytes for b in record.buckets),
+            "backward_end_ms": record.backward_end_ms, "finalize_end_ms": record.finalize_end_ms,
+            "exposed_ms": step.exposed_ms, "waited_last": step.waited_last, "stalling": step.stalling,
+            "transport": getattr(record, "transport", ""),
+        }),
+        _slice("backward", "compute", rank, tid(TRACK_BACKWARD), us(0.0), us(record.backward_end_ms),
+               {"step": it}),
+    ]
+    by_index = {b.index: b for b in record.buckets}
+    for o in step.buckets:
+        b = by_index[o.index]
+        common = {"step": it, "bucket": b.index, "bytes": b.bytes}
+        if b.first_grad_ms >= 0:
+            events.append(_slice(f"grads of bucket {b.index}", "grads", rank, tid(TRACK_GRADS),
+                                 us(b.first_grad_ms), us(b.last_grad_ms), {**common, "num_params": b.num_params}))
+        if b.launch_ms >= 0:
+            events.append(_slice(f"bucket {b.index}", "comm", rank, tid(TRACK_BUCKET0 + b.index), us(b.launch_ms),
+                                 us(b.complete_ms), {
+                                     **common, "num_params": b.num_params,
+                                     "first_grad_ms": b.first_grad_ms, "last_grad_ms": b.last_grad_ms,
+                                     "launch_ms": b.launch_ms, "complete_ms": b.complete_ms, "done_ms": b.done_ms,
+                                     "exposed_ms": o.exposed_ms, "hidden_ms": o.hidden_ms,
+                                     "write_back_ms": o.write_back_ms, "chunks": len(getattr(b, "chunks", ()) or ()),
+                                 }))
+        if o.exposed_ms > 0:
+            events.append(_slice(f"wait bucket {b.index}", "exposed", rank, tid(TRACK_EXPOSED), us(o.wait_start_ms),
+                                 us(o.wait_start_ms + o.exposed_ms), {**common, "exposed_ms": o.exposed_ms}))
+        if b.done_ms >= 0:
+            events.append(_slice(f"write-back bucket {b.index}", "write_back", rank, tid(TRACK_WRITE_BACK),
+                                 us(b.done_ms - o.write_back_ms), us(b.done_ms), {**common, "write_back_ms": o.write_back_ms}))
+        for k, (c, exposed) in enumerate(zip(getattr(b, "chunks", ()) or (), chunk_exposure(b, o.wait_start_ms))):
+            ident = f"{rank}.{wrapper}.{it}.{b.index}.{k}"
+            args = {**common, "chunk": k, "offset": c.offset, "bytes": c.bytes, "collective": c.collective,
+                    "exposed_ms": exposed}
+            name = f"bucket {b.index} chunk {k}"
+            events.append({"name": name, "cat": "chunk", "ph": "b", "id": ident, "pid": rank,
+                           "tid": tid(TRACK_BUCKET0 + b.index), "ts": us(c.launch_ms), "args": args})
+            events.append({"name": name, "cat": "chunk", "ph": "e", "id": ident, "pid": rank,
+                           "tid": tid(TRACK_BUCKET0 + b.index), "ts": us(c.complete_ms)})
+    return events
+
+
+def _metadata(rank: int, wrappers: Iterable[int], buckets: dict[int, int]) -> list[dict]:
+    events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+              {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
+    for w in wrappers:
+        prefix = f"ddp {w} " if w else ""
+        names = dict(_TRACK_NAMES)
+        names.update({TRACK_BUCKET0 + b: f"bucket {b}" for b in range(buckets.get(w, 0))})
+        for track, name in names.items():
+            tid = w * _TRACKS_PER_WRAPPER + track
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": prefix + name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+    return events
+
+
+def trace_document(logs: dict[int, list], rank: int) -> dict:
+    """A Chrome trace of one rank: ``logs`` maps a wrapper number to its
+    IterationRecords."""
+    events: list[dict] = []
+    buckets: dict[int, int] = {}
+    transports = set()
+    for w, records in logs.items():
+        for rec in records:
+            events += step_events(rec, rank, w)
+            buckets[w] = max(buckets.get(w, 0), len(rec.buckets))
+            transports.add(getattr(rec, "transport", ""))
+    return {
+        "traceEvents": _metadata(rank, logs.keys(), buckets) + events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "format": FORMAT,
+            "rank": rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "transport": ", ".join(sorted(t for t in transports if t)),
+            # read together: merge maps this rank's steady clock onto the wall clock
+            "clock_sync": {"monotonic_ns": time.monotonic_ns(), "realtime_ns": time.time_ns()},
+        },
+    }
+
+
+def write_trace(path: str, document: dict) -> None:
+    """Atomically (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(document, f)
+    os.replace(tmp, path)
+
+
+def load_trace(path: str) -> dict:
+    with open(path) as f:
+        document = json.load(f)
+    if isinstance(document, list):  # the bare-array form of the format
+        document = {"traceEvents": document}
+    if "traceEvents" not in document:
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents)")
+    return document
+
+
+def merge_traces(paths: list[str]) -> dict:
+    """One trace of several ranks' files on a common clock. Each rank's
+    steady-clock times are mapped onto the wall clock through its own
+    (monotonic, realtime) pair, so ranks on different hosts line up as well
+    as their wall clocks agree (on one host the steady clock is already
+    common and the mapping is the same for all); then everything is shifted
+    so the earliest event is at 0."""
+    documents = [load_trace(p) for p in paths]
+    if not documents:
+        raise ValueError("merge: no trace files given")
+    shifts = []
+    for path, doc in zip(paths, documents):
+        sync = doc.get("otherData", {}).get("clock_sync")
+        if sync is None:
+            raise ValueError(f"merge: {path} has no otherData.clock_sync; was it written by pydist.overlap?")
+        shifts.append((sync["realtime_ns"] - sync["monotonic_ns"]) / 1e3)
+    starts = [min((e["ts"] + s for e in d["traceEvents"] if "ts" in e), default=float("inf"))
+              for d, s in zip(documents, shifts)]
+    origin = min(starts)
+    if origin == float("inf"):
+        origin = 0.0
+    merged: list[dict] = []
+    ranks = []
+    for doc, shift in zip(documents, shifts):
+        for e in doc["traceEvents"]:
+            e = dict(e)
+            if "ts" in e:
+                e["ts"] = e["ts"] + shift - origin
+            merged.append(e)
+        ranks.append(doc.get("otherData", {}).get("rank"))
+    return {
+        "traceEvents": merged,
+        "displayTimeUnit": "ms",
+        "otherData": {"format": FORMAT, "merged_ranks": ranks, "clock": "realtime, earliest event at 0",
+                      "origin_realtime_us": origin, "sources": [os.path.abspath(p) for p in paths]},
+    }
