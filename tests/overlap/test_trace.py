@@ -90,7 +90,9 @@ def test_trace_under_mpiexec(tmp_path, mode):
     it, writes none: an abort leaves the other ranks no time)."""
     done = _mpiexec(tmp_path, mode)
     if mode == "raise":
-        assert done.returncode != 0 and "the training script failed" in done.stderr, done.stderr[-2000:]
+        # Not its stderr: a launcher may drop what a rank writes just before
+        # MPI_Abort (the trace is a file, written before the abort).
+        assert done.returncode != 0, done.stdout + done.stderr
     else:
         assert done.returncode == 0, done.stdout + done.stderr
     for r in (1,) if mode == "raise" else (0, 1):
