@@ -231,7 +231,7 @@ def main():
     parser.add_argument("--latency", default="20us")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per cell per round")
-    parser.add_argument("--cost-rounds", type=int, default=5)
+    parser.add_argument("--cost-rounds", type=int, default=15)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", metavar="PNG", help="e.g. benchmarks/bench_overlap.png")
     args = parser.parse_args()
