@@ -78,7 +78,7 @@ def test_merge_puts_ranks_on_one_clock(tmp_path):
         trace.write_trace(paths[-1], document)
     out = tmp_path / "merged.json"
     subprocess.run([sys.executable, "-m", "pydist.overlap", "merge", str(tmp_path), "-o", str(out)], check=True,
-                   capture_output=True, text=True)
+                   capture_output=True, text=True, timeout=60)
     merged = json.loads(out.read_text())
     starts = {e["pid"]: e["ts"] for e in _events(merged, "step")}
     assert starts == {0: 0.0, 1: 0.0}
@@ -91,7 +91,7 @@ def test_report_cli_names_the_stalling_bucket(tmp_path):
     path = tmp_path / "rank0.json"
     trace.write_trace(str(path), trace.trace_document({0: records}, rank=0))
     result = subprocess.run([sys.executable, "-m", "pydist.overlap", "report", str(path)], check=True,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, timeout=60)
     out = result.stdout
     assert "rank 0 (sim_net(shm)): 5 steps" in out
     assert "exposed communication median 3.50 ms, worst 5.50 ms (step 4)" in out
@@ -107,7 +107,7 @@ def test_plot_draws_a_step_or_says_matplotlib_is_missing(tmp_path):
     trace.write_trace(str(path), trace.trace_document({0: [_record(0), _record(1, b1_complete=14.0)]}, rank=0))
     png = tmp_path / "step.png"
     result = subprocess.run([sys.executable, "-m", "pydist.overlap", "report", str(path), "--plot", str(png)],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, timeout=60)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
