@@ -39,9 +39,9 @@ def _ints(n: int, rank: int, dtype) -> torch.Tensor:
 
 
 def _exact_sums(rank, world_size):
-    from pydist.ddp.shm_transport import open_shm_allreduce
+    from pydist.transport import open_shm
 
-    shm = open_shm_allreduce([torch.zeros(1)], dist.group.WORLD, wanted=True)
+    shm = open_shm(dist.group.WORLD)
     checked = 0
     for dtype in DTYPES:
         for n in SIZES:
@@ -62,9 +62,9 @@ def test_exact_sums_every_dtype_and_size(world_size):
 
 
 def _bitwise_like_gloo(rank, world_size):
-    from pydist.ddp.shm_transport import open_shm_allreduce
+    from pydist.transport import open_shm
 
-    shm = open_shm_allreduce([torch.zeros(1)], dist.group.WORLD, wanted=True)
+    shm = open_shm(dist.group.WORLD)
     gen = torch.Generator().manual_seed(rank)
     for dtype in DTYPES:
         for n in (1000, 3 * PIECE_ELEMS_F32 + 17):
@@ -369,7 +369,7 @@ def test_segment_whose_creator_died_unmapped_is_swept():
 def _rank_killed_while_attaching(rank, world_size, store_path, results):
     import datetime
 
-    from pydist.ddp import shm_transport
+    from pydist import transport
     from pydist.transport import shm_segment
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
@@ -380,7 +380,7 @@ def _rank_killed_while_attaching(rank, world_size, store_path, results):
         shm_segment._attach = killed
     start = time.monotonic()
     try:
-        shm_transport.open_shm_allreduce([torch.zeros(1)], dist.group.WORLD, wanted=None)
+        transport.open_shm(dist.group.WORLD, wanted=None)
         results.put(("returned", time.monotonic() - start))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results.put((f"{type(exc).__name__}: {exc}", time.monotonic() - start))

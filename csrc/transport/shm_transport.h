@@ -1,6 +1,6 @@
 // Collectives through shared memory, for groups whose ranks all live on one
 // host: the transport DDP uses on CPU instead of the process group, where
-// every rank can map the same segment (pydist/ddp/shm_transport.py decides).
+// every rank can map the same segment (pydist.transport.open_shm decides).
 //
 // [Note: shared-memory all-reduce]
 // Gloo moves CPU tensors between processes on one host through loopback TCP:
@@ -56,7 +56,7 @@
 //     brings the count to world_size unlinks the name (so a rank 0 killed
 //     right after creating leaves nothing once the others have mapped);
 //   - rank 0 unlinks it when the set-up fails or is interrupted (Python's
-//     `finally` in pydist/ddp/shm_transport.py), and its end unlinks it on
+//     `finally` in pydist/transport/shm_segment.py), and its end unlinks it on
 //     destruction if that has not happened;
 //   - what no rank survives to unlink (rank 0 killed and a peer killed
 //     before mapping) is swept by the next set-up on the host: names carry
@@ -102,7 +102,7 @@ class ShmTransport : public transport::Transport {
   // Maps the POSIX shared-memory object `name` for group rank `rank` of
   // `world_size`. Rank 0 passes create=true and creates it (it must not
   // exist); the others open it once rank 0 has (the Python side orders this:
-  // pydist/ddp/shm_transport.py). Starts this rank's worker thread. Waits
+  // pydist.transport.open_shm). Starts this rank's worker thread. Waits
   // give up after `timeout`. Raises if the object cannot be created, opened
   // or mapped, or holds another layout.
   ShmTransport(std::string name, int64_t rank, int64_t world_size, bool create, std::chrono::milliseconds timeout);

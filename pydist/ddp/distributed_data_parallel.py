@@ -39,8 +39,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from pydist import _C
 from pydist.ddp import buckets as bucketing
 from pydist.ddp.records import IterationRecord
-from pydist.ddp.shm_transport import open_shm_allreduce
 from pydist.ddp.state_sync import broadcast_tensors, verify_same_model
+from pydist.transport import open_shm
 from pydist.overlap import hooks as overlap_hooks
 
 __all__ = ["DistributedDataParallel"]
@@ -210,7 +210,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
         # This rank's end of the shared-memory transport, or None: gradients
         # go through the process group. Lives as long as the reducer.
-        self._shm = open_shm_allreduce(self._params, self.process_group, shm_allreduce)
+        self._shm = open_shm(self.process_group, self._params, wanted=shm_allreduce,
+                             owner="DistributedDataParallel", keyword="shm_allreduce")
         self.reducer = self._make_reducer()
         # join(divide_by_initial_world_size=...): average over the world size
         # (True, torch's default) or over the ranks not yet joined.

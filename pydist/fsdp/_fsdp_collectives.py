@@ -54,9 +54,7 @@ def open_transport(group, shm: bool | None = None) -> pydist_transport.Transport
     None uses shared memory where every rank can (else the group), True
     requires it (raises on every rank saying why not), False never uses it.
     See [Note: which transport carries a sharded unit]."""
-    from pydist.ddp.shm_transport import open_shm_allreduce
-
-    shm_transport = open_shm_allreduce([torch.zeros(1)], group, wanted=shm)
+    shm_transport = pydist_transport.open_shm(group, wanted=shm, owner="pydist.fully_shard", keyword="shm")
     transport = shm_transport if shm_transport is not None else pydist_transport.ProcessGroupTransport(group)
     transport.set_stamp_completion(True)  # the per-unit records read completion times
     return transport

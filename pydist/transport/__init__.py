@@ -45,16 +45,62 @@ def wrap(name: str, inner: Transport, **options: float) -> Transport:
     return _C.wrap_transport(name, inner, {k: float(v) for k, v in options.items()})
 
 
-def open_shm(group=None, params: list[torch.Tensor] | None = None) -> ShmTransport:
-    """Collective over ``group``: this rank's end of a shared-memory transport
-    (every rank of the group must share this host's /dev/shm). Raises on
-    every rank, saying why, where that cannot be."""
+def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool | None = True,
+             owner: str = "pydist.transport.open_shm", keyword: str = "wanted") -> ShmTransport | None:
+    """Collective over ``group`` (default: the world): this rank's end of a
+    shared-memory transport, every rank passing the same ``wanted``.
+
+    wanted: True requires it (raises, on every rank, saying why not); None
+    uses it where every rank can (every rank on this host, ``params`` all
+    CPU tensors of a dtype the transport carries), else returns None: use
+    the group; False returns None. Ranks passing different values raise,
+    every one of them, naming each rank's value. Errors name ``owner`` and
+    its ``keyword`` (e.g. ``DistributedDataParallel`` and ``shm_allreduce``),
+    since the caller's keyword is what the user sets."""
     import torch.distributed as dist
 
-    from pydist.ddp.shm_transport import open_shm_allreduce
-
     group = group if group is not None else dist.group.WORLD
-    return open_shm_allreduce(params if params is not None else [torch.zeros(1)], group, wanted=True)
+    params = params if params is not None else [torch.zeros(1)]
+    world_size = dist.get_world_size(group)
+    why_not = _why_not_shm_here(params, world_size) if wanted is not False else None
+    verdicts: list = [None] * world_size
+    dist.all_gather_object(verdicts, (wanted, why_not), group=group)
+    if len({w for w, _ in verdicts}) > 1:
+        values = ", ".join(f"rank {r}: {w}" for r, (w, _) in enumerate(verdicts))
+        raise ValueError(f"{owner}: {keyword} differs across ranks ({values}); pass the same on every rank")
+    if wanted is False:
+        return None
+    refusals = [f"rank {r}: {reason}" for r, (_, reason) in enumerate(verdicts) if reason]
+    if not refusals:
+        from pydist.transport import shm_segment
+
+        shm, failure = shm_segment.map_segment_over_group(group)
+        if shm is not None:
+            return shm
+        refusals = [failure]
+    if wanted:
+        raise RuntimeError(
+            f"{owner}({keyword}=True): this group cannot all-reduce through shared memory ("
+            + "; ".join(refusals)
+            + f"). Pass {keyword}=None to fall back to the process group."
+        )
+    return None
+
+
+def _why_not_shm_here(params: list[torch.Tensor], world_size: int) -> str | None:
+    """What keeps this rank off the shared-memory transport, or None."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return f"the shared-memory transport is Linux-only (this is {sys.platform})"
+    if world_size < 2:
+        return "a group of one rank has nothing to all-reduce"
+    for p in params:
+        if p.device.type != "cpu":
+            return f"a parameter is on {p.device} (the transport carries CPU tensors)"
+        if not ShmTransport.supports(p.dtype):
+            return f"a parameter is {p.dtype} (the transport takes float32, float64, bfloat16 and float16)"
+    return None
 
 
 def transport_of(ddp) -> Transport:

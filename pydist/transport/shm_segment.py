@@ -8,10 +8,10 @@ other ranks of the group map that very object, and the name is removed again.
 Whether ranks share a host is not guessed from host names: rank 0 creates the
 segment and every other rank must map that very object, so ranks in
 containers without a common /dev/shm get (None, why not) on every rank.
-Who uses it and when is decided by the callers: DistributedDataParallel
-(pydist/ddp/shm_transport.py, [Note: which transport]), the mpi4py backend's
-large all-reduces (pydist/backends/mpi4py_backend.py) and
-``pydist.transport.open_shm``. See [Note: shared-memory all-reduce] in
+Who uses it and when is decided by the callers: ``pydist.transport.open_shm``
+(for DistributedDataParallel, see [Note: which transport], and the sharded
+wrapper) and the mpi4py backend's large all-reduces
+(pydist/backends/mpi4py_backend.py). See [Note: shared-memory all-reduce] in
 csrc/transport/shm_transport.h for the protocol.
 
 The segment's name is removed on every path out of the set-up, and names an
