@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <queue>
 #include <sstream>
@@ -48,6 +49,8 @@ namespace {
 // Completes held futures when they are due, earliest first, on a thread of
 // its own. Shared by the transport and the callbacks that hold completions,
 // so a collective finishing after the transport is gone still completes.
+// Belongs to the process that made it: a forked child's copy is never used
+// nor destroyed (see ~SimNetTransport).
 class Timer {
  public:
   ~Timer() { stop(); }
@@ -59,12 +62,7 @@ class Timer {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!stopping_) {
         pending_.push(Pending{due_ns, std::move(done), stamp});
-        // The first hold starts the thread; a forked child starts its own
-        // (the parent's thread object is not one it can join).
-        if (thread_pid_ != getpid()) {
-          thread_pid_ = getpid();
-          thread_ = std::thread([this] { run(); });
-        }
+        if (!thread_) thread_ = std::make_unique<std::thread>([this] { run(); });  // the first hold starts it
         wake_.notify_all();
         return;
       }
@@ -79,10 +77,15 @@ class Timer {
       stopping_ = true;
     }
     wake_.notify_all();
-    if (thread_pid_ == getpid() && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
-      thread_.join();
+    if (!thread_ || !thread_->joinable()) return;
+    if (thread_->get_id() == std::this_thread::get_id()) {
+      thread_->detach();  // the last owner let go on the timer's own thread
+    } else {
+      thread_->join();
     }
   }
+
+  pid_t owner_pid() const { return owner_pid_; }
 
  private:
   struct Pending {
@@ -113,12 +116,12 @@ class Timer {
     }
   }
 
-  std::mutex mutex_;  // guards pending_, stopping_, thread_, thread_pid_
+  const pid_t owner_pid_ = getpid();  // the process that made the timer
+  std::mutex mutex_;                  // guards pending_, stopping_, thread_
   std::priority_queue<Pending, std::vector<Pending>, std::greater<Pending>> pending_;
   std::condition_variable wake_;  // a new due time, or stopping
   bool stopping_ = false;
-  std::thread thread_;            // started by the first hold in this process
-  pid_t thread_pid_ = 0;          // the process that started thread_
+  std::unique_ptr<std::thread> thread_;  // started by the first hold
 };
 
 class SimNetTransport : public WrappingTransport {
@@ -130,7 +133,17 @@ class SimNetTransport : public WrappingTransport {
     TORCH_CHECK(latency_s_ >= 0, "sim_net: latency must be >= 0 s, got ", latency_s_);
   }
 
-  ~SimNetTransport() override { timer_->stop(); }
+  ~SimNetTransport() override {
+    if (getpid() != timer_->owner_pid()) {
+      // A forked child holds copies of the parent's timer: its thread is not
+      // one the child can join, its mutex may have been copied locked, and
+      // destroying a condition variable the parent's thread waited on hangs.
+      // Leave the copy alone (a deliberate leak, once per fork).
+      new std::shared_ptr<Timer>(timer_);
+      return;
+    }
+    timer_->stop();
+  }
 
   Future all_reduce(at::Tensor piece, double scale) override {
     return delayed(Collective::kAllReduce, piece.nbytes(), [&] { return WrappingTransport::all_reduce(piece, scale); });
@@ -177,6 +190,9 @@ class SimNetTransport : public WrappingTransport {
   // transfer starts when this is called, before inner sees the collective.
   template <typename Launch>
   Future delayed(Collective kind, size_t nbytes, Launch&& launch_inner) {
+    TORCH_CHECK(getpid() == timer_->owner_pid(), "sim_net: this simulated link belongs to process ", timer_->owner_pid(),
+                "; process ", getpid(), " was forked from it and cannot use it (make its own process group and ",
+                "transport there)");
     const int64_t launch = steady_now_ns();
     const int64_t duration = model_ns(kind, static_cast<int64_t>(nbytes));
     int64_t due;

@@ -197,3 +197,44 @@ def test_ddp_gradients_bitwise_under_sim_net_on_both_transports():
         ("shm", "keyword"): "sim_net(shm)", ("shm", "env"): "sim_net(shm)",
         ("process_group", "keyword"): "sim_net(gloo)", ("process_group", "env"): "sim_net(gloo)",
     }
+
+
+_FORK_SCRIPT = r"""
+import os, sys, threading
+import torch
+from pydist import _C, transport
+
+name = sys.argv[1]
+ends = [_C.ShmTransport(name, 0, 2, create=True, timeout_s=30),
+        _C.ShmTransport(name, 1, 2, create=False, timeout_s=30)]
+links = [transport.wrap("sim_net", e, bandwidth=1e9, latency=0.02) for e in ends]  # 40 ms per all-reduce
+xs = [torch.ones(4), torch.ones(4)]
+threads = [threading.Thread(target=lambda l=l, x=x: l.all_reduce(x).wait()) for l, x in zip(links, xs)]
+[t.start() for t in threads]
+[t.join(20) for t in threads]
+assert xs[0].tolist() == [2.0] * 4, xs  # held by the timer thread, which is now running
+pid = os.fork()
+if pid == 0:
+    try:
+        links[0].all_reduce(torch.ones(4))
+        print("CHILD USED THE PARENT'S LINK")
+    except RuntimeError as exc:
+        print("child refused:", exc)
+    sys.stdout.flush()
+    sys.exit(0)  # interpreter teardown destroys the inherited links and their timer
+_, status = os.waitpid(pid, 0)
+print("child status", status)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_forked_child_is_refused_and_exits_cleanly():
+    import subprocess
+    import sys
+
+    name = f"/pydist-test-simnet-fork-{os.getpid()}"
+    out = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, name], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "child refused: sim_net: this simulated link belongs to process" in out.stdout, out.stdout + out.stderr
+    assert "was forked from it" in out.stdout
+    assert "child status 0" in out.stdout, out.stdout + out.stderr  # not killed by std::terminate at teardown
