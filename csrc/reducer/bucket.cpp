@@ -23,7 +23,8 @@ void allocate_buffer(Bucket& bucket, const at::TensorOptions& options) {
 
 }  // namespace
 
-Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices, int64_t index) {
+Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices, int64_t index,
+                   int64_t chunk_bytes) {
   TORCH_CHECK(!indices.empty(), "make_bucket: bucket ", index, " is empty");
   Bucket bucket;
   size_t offset = 0;
@@ -39,13 +40,13 @@ Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int
   bucket.record.index = index;
   bucket.record.num_params = static_cast<int64_t>(bucket.num_slots());
   bucket.record.bytes = static_cast<int64_t>(bucket.buffer.nbytes());
-  split_into_chunks(bucket, 0);
+  split_into_chunks(bucket, chunk_bytes);
   return bucket;
 }
 
 void allocate_buffer(Bucket& bucket) { allocate_buffer(bucket, bucket.buffer.options()); }
 
-void split_into_chunks(Bucket& bucket, int64_t chunk_bytes, transport::Collective collective) {
+void split_into_chunks(Bucket& bucket, int64_t chunk_bytes) {
   const int64_t itemsize = bucket.buffer.element_size();
   bucket.chunks.clear();
   bucket.chunk_of_slot.assign(bucket.num_slots(), 0);
@@ -64,7 +65,7 @@ void split_into_chunks(Bucket& bucket, int64_t chunk_bytes, transport::Collectiv
     }
   }
   bucket.record.chunks.clear();
-  for (const Chunk& c : bucket.chunks) bucket.record.chunks.push_back(ChunkRecord{c.offset, c.numel * itemsize, collective});
+  for (const Chunk& c : bucket.chunks) bucket.record.chunks.push_back(ChunkRecord{c.offset, c.numel * itemsize, transport::Collective::kAllReduce});
 }
 
 void reset_for_iteration(Bucket& bucket) {

@@ -62,9 +62,10 @@ struct Bucket {
 
 // A bucket of tensors[i] for i in `indices` (non-empty; one dtype and device,
 // which the caller checked), laid out in that order in a new contiguous
-// buffer, as one chunk; `index` numbers its record. `tensors` must outlive it
-// (sizes point into them).
-Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices, int64_t index);
+// buffer, cut into chunks of about `chunk_bytes` (split_into_chunks); `index`
+// numbers its record. `tensors` must outlive it (sizes point into them).
+Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices, int64_t index,
+                   int64_t chunk_bytes);
 
 // Gives the bucket a fresh buffer (same dtype, device and layout) and views;
 // forgets resident slots. Old views and slots keep the old buffer alive.
@@ -73,9 +74,8 @@ void allocate_buffer(Bucket& bucket);
 // Cuts the bucket into chunks of about `chunk_bytes`, each ending at the slot
 // that brings it to chunk_bytes (or at the bucket's end); chunk_bytes <= 0:
 // one chunk. The cut depends only on the layout, so it is the same on every
-// rank. Sets each chunk's ChunkRecord (offset, bytes, collective).
-void split_into_chunks(Bucket& bucket, int64_t chunk_bytes,
-                       transport::Collective collective = transport::Collective::kAllReduce);
+// rank. Sets each chunk's ChunkRecord (offset, bytes; an all-reduce).
+void split_into_chunks(Bucket& bucket, int64_t chunk_bytes);
 
 // Readies the bucket's chunks and record for another iteration.
 void reset_for_iteration(Bucket& bucket);

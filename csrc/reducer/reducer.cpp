@@ -82,7 +82,6 @@ void Reducer::adopt_transport(std::shared_ptr<transport::Transport> transport) {
               transport->world_size(), ", the process group rank ", process_group_->getRank(), " of ",
               process_group_->getSize());
   transport_ = std::move(transport);
-  transport_->set_stamp_completion(options_.record_timing);
   // [Note: resident gradients]: where they are allowed.
   const bool resident_allowed = !transport_->owns_buckets() && !options_.find_unused_parameters &&
                                 !options_.static_graph && params_.front().is_cpu();
@@ -145,9 +144,8 @@ void Reducer::initialize_buckets(std::vector<std::vector<int64_t>> bucket_indice
   locators_.assign(params_.size(), Locator{});
   const int64_t chunk_bytes = transport_->owns_buckets() ? 0 : options_.chunk_bytes;
   for (size_t b = 0; b < bucket_indices.size(); ++b) {
-    Bucket bucket = make_bucket(params_, bucket_indices[b], static_cast<int64_t>(b));
+    Bucket bucket = make_bucket(params_, bucket_indices[b], static_cast<int64_t>(b), chunk_bytes);
     for (size_t slot = 0; slot < bucket.num_slots(); ++slot) locators_[bucket.param_indices[slot]] = Locator{b, slot};
-    split_into_chunks(bucket, chunk_bytes);
     placement_->adopt(bucket);
     buckets_.push_back(std::move(bucket));
   }
@@ -230,7 +228,10 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 }
 
 void Reducer::reset_for_backward() {
+  // Records and the transport's completion stamps switch together, here,
+  // where no collective of this reducer is in flight.
   recording_ = options_.record_timing;
+  if (transport_->stamp_completion() != recording_) transport_->set_stamp_completion(recording_);
   if (recording_) start_ns_ = transport::steady_now_ns();
   next_bucket_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
@@ -466,8 +467,7 @@ void Reducer::clear_records() {
 void Reducer::set_record_timing(bool on, int64_t keep) {
   std::lock_guard<std::mutex> lock(mutex_);
   records_.set_keep(keep);
-  options_.record_timing = on;
-  transport_->set_stamp_completion(on);
+  options_.record_timing = on;  // from the next prepare_for_backward (reset_for_backward)
 }
 
 }  // namespace pydist

@@ -28,6 +28,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -109,8 +110,9 @@ class Transport {
 
   // Whether completion times are stamped (default on). Off, the transport
   // reads no clock: the reducer turns it off when records are off.
-  virtual void set_stamp_completion(bool on) { stamp_completion_ = on; }
-  bool stamp_completion() const { return stamp_completion_; }
+  // Set from the caller's thread, read on the transport's (relaxed: a flag).
+  virtual void set_stamp_completion(bool on) { stamp_completion_.store(on, std::memory_order_relaxed); }
+  bool stamp_completion() const { return stamp_completion_.load(std::memory_order_relaxed); }
 
   virtual int64_t rank() const = 0;
   virtual int64_t world_size() const = 0;
@@ -121,10 +123,10 @@ class Transport {
   virtual std::map<std::string, int64_t> stats() const { return {}; }
 
  protected:
-  int64_t completion_time() const { return stamp_completion_ ? steady_now_ns() : -1; }
+  int64_t completion_time() const { return stamp_completion() ? steady_now_ns() : -1; }
 
  private:
-  bool stamp_completion_ = true;
+  std::atomic<bool> stamp_completion_{true};
 };
 
 // A transport in front of another: forwards everything to `inner`. A
