@@ -134,6 +134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("records_kept") = pydist::kDefaultRecordsKept)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, nogil)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, nogil)
+      .def_property_readonly("walks_outputs", &Reducer::walks_outputs)
       .def("delay_all_reduce", &Reducer::delay_all_reduce, nogil)
       .def(
           "set_comm_hook",

@@ -194,6 +194,9 @@ class Reducer {
   // will not reach; otherwise ignores them. Called from Python after
   // forward, only when gradients are to be synchronized (not under no_sync).
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+  // Whether prepare_for_backward reads `outputs` (it walks the graph from
+  // them to find unused parameters); otherwise callers may pass none.
+  bool walks_outputs() const { return dynamic_find_unused(); }
 
   // Armed -> Reducing -> Idle, static_graph's first iteration only: reduces
   // every bucket at once at the end of backward (the graph is not known

@@ -362,8 +362,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             return output
         self.require_forward_param_sync = True
         # The reducer walks the graph from the outputs only where it looks
-        # for unused parameters (find_unused_parameters without static_graph).
-        self.reducer.prepare_for_backward(_find_tensors(output))
+        # for unused parameters (find_unused_parameters without static_graph);
+        # otherwise the output tree is not walked at all.
+        self.reducer.prepare_for_backward(_find_tensors(output) if self.reducer.walks_outputs else [])
         if self.static_graph and not self._static_graph_delay_enqueued:
             output = _wrap_outputs_in_sink(self, output)
         return output
