@@ -162,7 +162,10 @@ def _ring_main(rank, world_size):
     seen["keep2"] = ddp.iteration_records()
     ddp.clear_records()
     seen["cleared"] = (ddp.iteration_records(), ddp.last_iteration_record())
-    ddp.set_record_timing(False)
+    out = ddp(x)  # armed with records on
+    ddp.set_record_timing(False)  # between forward and backward: from the next forward on
+    out.sum().backward()
+    seen["stopped_mid"] = ddp.iteration_records()
     step()
     seen["off_again"] = ddp.iteration_records()
     with pytest.raises(ValueError, match="keep must be a positive int"):
@@ -182,7 +185,11 @@ def test_records_keep_the_last_k_iterations():
         assert seen["no_sync"] == seen["keep3"]
         assert seen["keep2"] == seen["keep3"][1:]
         assert seen["cleared"] == ([], None)
-        assert seen["off_again"] == []
+        # The iteration armed with records on is recorded whole, its
+        # completions stamped; the next one is not recorded.
+        [mid] = seen["stopped_mid"]
+        assert all(0 <= b.launch_ms <= b.complete_ms <= b.done_ms for b in mid.buckets), mid.report()
+        assert seen["off_again"] == seen["stopped_mid"]
 
 
 # --- the profiler's view ------------------------------------------------------------
