@@ -98,9 +98,18 @@ class IterationRecord:
         )
 
     @property
-    def exposed_comm_ms(self) -> float:
-        """Time between the end of autograd and grads being ready to use."""
+    def finalize_ms(self) -> float:
+        """From the end of autograd until the gradients are ready to use:
+        the exposed waits plus writing reduced buckets back."""
         return self.finalize_end_ms - self.backward_end_ms
+
+    @property
+    def exposed_comm_ms(self) -> float:
+        """How long the step waited for communication after autograd ended
+        (write-back excluded): ``pydist.overlap``'s exposed time of this step."""
+        from pydist.overlap.analysis import analyze_step
+
+        return analyze_step(self).exposed_ms
 
     @property
     def comm_hidden_ms(self) -> float:
@@ -111,7 +120,8 @@ class IterationRecord:
     def report(self) -> str:
         lines = [
             f"iteration {self.iteration}: backward ended at {self.backward_end_ms:.2f} ms, grads ready at "
-            f"{self.finalize_end_ms:.2f} ms (exposed communication {self.exposed_comm_ms:.2f} ms); "
+            f"{self.finalize_end_ms:.2f} ms (exposed communication {self.exposed_comm_ms:.2f} ms, write-back included "
+            f"{self.finalize_ms:.2f} ms); "
             f"rank {self.rank}, transport {self.transport}",
             f"{'bucket':>6} {'params':>6} {'MB':>8} {'chunks':>6} {'1st grad':>9} {'last grad':>9} {'launch':>9} "
             f"{'complete':>9} {'done':>9} {'hidden':>8}",

@@ -65,7 +65,7 @@ def analyze_step(record) -> StepOverlap:
                 index=b.index,
                 bytes=b.bytes,
                 comm_ms=max(0.0, b.complete_ms - b.launch_ms),
-                hidden_ms=max(0.0, min(b.complete_ms, end) - b.launch_ms),
+                hidden_ms=b.hidden_ms(end),
                 exposed_ms=exposed,
                 write_back_ms=write_back,
                 launch_delay_ms=max(0.0, b.launch_ms - b.last_grad_ms),

@@ -186,7 +186,7 @@ def stop(ddp=None) -> None:
     log = _log_of(ddp)
     if log is not None:
         log.unfollow()
-    ddp.set_record_timing(False, keep=log.keep if log else DEFAULT_KEEP)
+    ddp.set_record_timing(False, keep=log.keep if log else ddp._records_kept)  # a wrapper never recorded keeps its ring
 
 
 def records(ddp) -> list:
