@@ -235,8 +235,18 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> bool:
-        """Unshards for this unit's backward; False when it already ran this backward."""
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        """Unshards for this unit's backward; False when it already did this backward."""
+        if self.training_state == TrainingState.POST_BACKWARD:
+            # Its gradients were packed and reduced already, so the backward
+            # reaching it now would read resharded parameters, and its
+            # gradients would miss this use.
+            raise RuntimeError(
+                f"pydist FSDP unit {self.label!r}: backward reached it again after its gradients were reduced this "
+                "iteration. The unit ran forward more than once before one backward (a module reused, or two root "
+                "forwards summed into one loss), which is not supported: fully_shard a module that runs once per "
+                "backward (e.g. the parent of the reused one), or call backward after each forward"
+            )
+        if self.training_state == TrainingState.PRE_BACKWARD:
             return False
         self.training_state = TrainingState.PRE_BACKWARD
         self.wait_for_unshard("backward")

@@ -70,6 +70,10 @@ class FSDPState:
         # is queued for this backward.
         self.all_states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
+        self.iteration = 0  # root forwards so far
+        # Units: the root iteration whose forward ran this unit with grad
+        # enabled (a second run in the same one is refused).
+        self.forward_iteration = -1
         self.final_callback_queued = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -101,6 +105,7 @@ class FSDPState:
         self.transport = transport
 
     def _root_pre_forward(self) -> None:
+        self.iteration += 1
         self.forward_order = []
         self.final_callback_queued = False
         self.backward_end_ns = -1
@@ -140,6 +145,14 @@ class FSDPState:
         pg = self.param_group
         if pg is None:
             return args, kwargs
+        if torch.is_grad_enabled() and self.forward_iteration == root.iteration:
+            raise RuntimeError(
+                f"pydist FSDP unit {pg.label!r} ran forward a second time in one forward of its root (a module reused, "
+                "e.g. weights shared across layers). Its gradients would be reduced after the first use's backward "
+                "only, so this is not supported: fully_shard the module that contains every use instead"
+            )
+        if torch.is_grad_enabled():
+            self.forward_iteration = root.iteration
         pg.pre_forward()
         root.forward_order.append(self)
         for target in self.forward_prefetch:

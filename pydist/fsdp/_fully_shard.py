@@ -55,6 +55,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         raise RuntimeError(f"pydist.fully_shard: {type(module).__name__} is already fully_shard'ed")
     group = _process_group if _process_group is not None else _group_of(mesh)
     named = _managed_params(module)
+    for fqn, p, _ in named:
+        # The original, not the shard that replaces it in this module: a
+        # registration of it outside (a weight tied across units) is refused.
+        p._pydist_fsdp_taken_by = f"{type(module).__name__} (as {fqn})"
     param_group = None
     if named:
         param_group = FSDPParamGroup(
@@ -98,6 +102,13 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[Par
         for name, p in m._parameters.items():
             if p is None or hasattr(p, "_pydist_fsdp_param"):
                 continue
+            if hasattr(p, "_pydist_fsdp_taken_by"):
+                raise NotImplementedError(
+                    f"pydist.fully_shard({type(module).__name__}): parameter {prefix + name} is the same tensor as "
+                    f"one a unit fully_shard'ed before manages, {p._pydist_fsdp_taken_by}: a weight tied across two "
+                    "units would train as two. Call fully_shard on a module that holds every use of it (their "
+                    "lowest common ancestor), not on the one that holds only some, as torch's FSDP2 requires"
+                )
             entry = by_id.setdefault(id(p), (prefix + name, p, []))
             entry[2].append(ParamModuleInfo(m, name))
         for child_name, child in m._modules.items():

@@ -148,9 +148,15 @@ class IterationRecord(NamedTuple):
 
 
 def last_iteration_record(module: nn.Module) -> IterationRecord:
-    """What the root ``module``'s units recorded in its last iteration."""
-    state = _root_state(module)
-    return IterationRecord([r for pg in _units(module) for r in pg.records], state.backward_end_ns)
+    """What ``module``'s units recorded in the root's last iteration (none
+    before its first forward). Local: it starts no collective, so any rank
+    may call it alone, e.g. from logging."""
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not fully_shard'ed; pass the root module")
+    if state.root is None:
+        return IterationRecord([], -1)
+    return IterationRecord([r for pg in _units(module) for r in pg.records], state.root.backward_end_ns)
 
 
 def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PersistentBytes:

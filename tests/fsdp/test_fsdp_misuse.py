@@ -1,0 +1,88 @@
+"""What pydist's FSDP refuses instead of training wrong, on spawned gloo
+ranks: a unit run twice before one backward, a weight tied across two
+units; and reading records is local (no collective), so one rank may."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist.spawn import run_ranks
+
+
+def _blocks(n: int = 2) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+class Reuse(nn.Module):
+    """Applies ``b`` twice (weights shared across two layers)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.b(self.a(x)))
+
+
+def _shard_blocks_then_root(model: nn.Module) -> nn.Module:
+    from pydist import fully_shard
+
+    for block in model.children():
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _misuse_rank(rank, world_size):
+    from pydist import fully_shard
+    from pydist.fsdp import last_iteration_record
+
+    out = {}
+    x = torch.randn(3, 4)
+
+    # Reading records before the first forward, on rank 0 only: no collective
+    # (a collective here would leave rank 1 ahead and rank 0 hanging).
+    model = _shard_blocks_then_root(_blocks())
+    if rank == 0:
+        record = last_iteration_record(model)
+        out["early_record"] = (record.collectives, record.backward_end_ns)
+    model(x).sum().backward()  # both ranks meet here either way
+    out["record_after_step"] = len(last_iteration_record(model).collectives) > 0
+
+    # A block used twice in one forward of its root.
+    model = _shard_blocks_then_root(Reuse())
+    out["reused"] = _message(lambda: model(x).sum().backward())
+
+    # Two root forwards summed into one loss: the second backward of each unit.
+    model = _shard_blocks_then_root(_blocks())
+    out["two_forwards"] = _message(lambda: (model(x).sum() + model(2 * x).sum()).backward())
+
+    # A weight tied across two units.
+    model = _blocks()
+    model[1].weight = model[0].weight
+    fully_shard(model[0])
+    out["tied"] = _message(lambda: fully_shard(model))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_misuse_is_refused_and_records_are_local():
+    for rank, out in enumerate(run_ranks(_misuse_rank, 2, timeout=90)):
+        if rank == 0:
+            assert out["early_record"] == ([], -1)
+        assert out["record_after_step"]
+        assert out["reused"].startswith("RuntimeError") and "ran forward a second time" in out["reused"], out["reused"]
+        assert "unit 'b'" in out["reused"], out["reused"]
+        assert out["two_forwards"].startswith("RuntimeError"), out["two_forwards"]
+        assert "backward reached it again" in out["two_forwards"], out["two_forwards"]
+        assert out["tied"].startswith("NotImplementedError"), out["tied"]
+        assert "parameter 1.weight" in out["tied"] and "Linear (as weight)" in out["tied"], out["tied"]
