@@ -39,7 +39,20 @@ works. ``get_model_state_dict(full_state_dict=True)`` does not:
 torch gathers every ShardedTensor with ``_all_gather_sharded_tensor``
 (torch/distributed/_state_dict_utils.py), which assumes one dim-0 chunk of
 ``ceil(dim0 / N)`` rows per rank and reads only the first local shard;
-pydist's pieces are flat ranges. Use ``pydist.fsdp.full_state_dict``.
+pydist's pieces are flat ranges, so gloo raises a size mismatch, or, where
+every rank's first box happens to fit a chunk, the values come out wrong.
+Nothing in that path calls back into pydist, so it cannot be told apart
+from DCP's use of the same ShardedTensor. Use ``pydist.fsdp.full_state_dict``.
+
+ShardedTensor is what torch's FSDP1 gives for SHARDED_STATE_DICT and what
+DCP has read and written since torch 2.0 (the same calls in 2.11 and 2.13);
+torch now warns ``FutureWarning: Please use DTensor instead and we are
+deprecating ShardedTensor`` when its torch functions run, which DCP does
+(``.size()``, ``.device``). If it goes, the replacement is DCP's protocol
+for custom tensors (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``, which DCP asks for before ShardedTensor) on a
+pydist tensor subclass carrying the same boxes. A rank with no piece of a
+parameter declares an empty box past the end of dim 0 (``_empty_box``).
 Likewise torch's ``get_optimizer_state_dict`` returns pydist's 1-D local
 optimizer state as plain tensors, which DCP takes as replicated and keeps
 one rank's copy of: use ``pydist.fsdp.get_optimizer_state_dict``, which
