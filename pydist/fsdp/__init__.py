@@ -19,6 +19,7 @@ _utils.py (gradient clipping, memory accounting, per-unit records).
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from pydist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
 from pydist.fsdp._state_dict import (
+    full_optimizer_state_dict,
     full_state_dict,
     get_optimizer_state_dict,
     load_full_state_dict,
@@ -43,6 +44,7 @@ __all__ = [
     "load_full_state_dict",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
+    "full_optimizer_state_dict",
     "persistent_bytes",
     "last_iteration_record",
 ]

@@ -34,9 +34,10 @@ ShardedTensors of [Note: the sharded state dict] (this rank's flat piece,
 no communication), which DCP reads into either. Keys are the wrapped
 module's in both (torch's FSDP1 strips its wrapper names the same way).
 The settings live on each pydist wrapper in ``module``; LOCAL_STATE_DICT
-(FSDP1's flat parameters) and the optimizer's FSDP1 helpers
-(``optim_state_dict``) are not implemented: use
-``pydist.fsdp.get_optimizer_state_dict``.
+(FSDP1's flat parameters) is not implemented. ``FSDP.optim_state_dict`` /
+``optim_state_dict_to_load`` follow the same settings: full tensors keyed
+by parameter name (``pydist.fsdp.full_optimizer_state_dict``), or the
+ShardedTensors of ``pydist.fsdp.get_optimizer_state_dict`` for DCP.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ from torch.distributed.fsdp import StateDictSettings, StateDictType
 
 from pydist.fsdp._fully_shard import fully_shard
 from pydist.fsdp._fsdp_state import state_of
-from pydist.fsdp._state_dict import full_state_dict, load_full_state_dict
+from pydist.fsdp._state_dict import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    get_optimizer_state_dict,
+    load_full_state_dict,
+    optimizer_state_dict_to_load,
+)
 from pydist.fsdp._utils import clip_grad_norm_
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload"]
@@ -197,6 +204,35 @@ class FullyShardedDataParallel(nn.Module):
         return settings
 
     @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict=None, group=None) -> dict:
+        """The optimizer's state keyed by parameter name (torch FSDP1's
+        layout): full tensors under FULL_STATE_DICT (collective; ``{}`` off
+        rank 0 with ``FullOptimStateDictConfig(rank0_only=True)``), the
+        ShardedTensors of ``pydist.fsdp.get_optimizer_state_dict`` under
+        SHARDED_STATE_DICT."""
+        _refuse(optim_state_dict is not None, "optim_state_dict(optim_state_dict=...)")
+        _refuse(group is not None, "optim_state_dict(group=...)")
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        module = _wrapped(model)
+        if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            return get_optimizer_state_dict(module, optim)
+        rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
+        return full_optimizer_state_dict(module, optim, rank0_only=rank0_only)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
+                                 is_named_optimizer: bool = False, load_directly: bool = False, group=None) -> dict:
+        """What ``optim.load_state_dict`` takes, from ``optim_state_dict``'s
+        answer (full, saved at any world size, on every rank; or sharded,
+        after ``dcp.load`` into it); loads it too with ``load_directly``."""
+        _refuse(is_named_optimizer, "optim_state_dict_to_load(is_named_optimizer=True)")
+        _refuse(group is not None, "optim_state_dict_to_load(group=...)")
+        to_load = optimizer_state_dict_to_load(_wrapped(model), optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(to_load)
+        return to_load
+
+    @staticmethod
     @contextlib.contextmanager
     def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
                         optim_state_dict_config=None):
@@ -209,6 +245,11 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             FullyShardedDataParallel.set_state_dict_type(module, previous.state_dict_type, previous.state_dict_config,
                                                          previous.optim_state_dict_config)
+
+
+def _wrapped(model: nn.Module) -> nn.Module:
+    """The module a pydist FullyShardedDataParallel wraps (``model`` itself otherwise)."""
+    return model.module if isinstance(model, FullyShardedDataParallel) else model
 
 
 def _wrap_targets(root: nn.Module, policy) -> set:

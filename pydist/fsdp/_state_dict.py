@@ -7,6 +7,8 @@ for ``torch.distributed.checkpoint``), the full one, and the optimizer's.
     sd = model.state_dict(); dcp.load(sd, checkpoint_id=path); model.load_state_dict(sd)
     full = pydist.fsdp.full_state_dict(model)   # full tensors (collective)
     osd = pydist.fsdp.get_optimizer_state_dict(model, opt)   # for dcp.save too
+    pydist.fsdp.set_optimizer_state_dict(model, opt, osd)    # after dcp.load(osd, ...)
+    full_osd = pydist.fsdp.full_optimizer_state_dict(model, opt)  # full tensors (collective)
 
 [Note: the sharded state dict]
 torch's FSDP2 shards each parameter on dim 0, so its ``state_dict()`` holds
@@ -78,6 +80,8 @@ __all__ = [
     "load_full_state_dict",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
+    "full_optimizer_state_dict",
+    "optimizer_state_dict_to_load",
     "flat_range_boxes",
     "Box",
     "register_state_dict_hooks",
@@ -383,24 +387,29 @@ def _optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer) -> l
 
 
 def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Makes the optimizer create its state (a step with zero gradients and
-    lr 0, as torch's get_optimizer_state_dict does) so a checkpoint has
-    tensors to load into. Leaves gradients and lr as they were."""
-    if optimizer.state:
+    """Makes the optimizer create its state, as torch's
+    get_optimizer_state_dict does, so a checkpoint has tensors to load into:
+    a step with zero gradients and lr 0, when it has no state and no
+    gradients yet (with gradients, the next real step creates it; a step
+    here would count them). Leaves gradients (None) and lr as they were."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
         return
-    saved = []
+    lrs = [group.get("lr") for group in optimizer.param_groups]
     for group in optimizer.param_groups:
-        saved.append(group.get("lr"))
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    optimizer.step(closure=None)
-    for group, lr in zip(optimizer.param_groups, saved):
-        if lr is not None:
-            group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p in params:
+            p.grad = None
 
 
 def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -412,8 +421,8 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     gives the parameter (views: ``dcp.load`` writes into the optimizer's
     state); scalars (Adam's ``step``) stay as they are, the same on every
     rank. So element-wise optimizers' state reshards with DCP like the
-    parameters. Creates the state if the optimizer has none yet (a zero-lr
-    step, as torch's ``get_optimizer_state_dict`` does)."""
+    parameters. Creates the state if the optimizer has none yet and no
+    gradients (see ``_ensure_optimizer_state``)."""
     _root_state(module)
     _ensure_optimizer_state(optimizer)
     entries = _optimizer_entries(module, optimizer)
@@ -426,30 +435,67 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
                 value = _as_sharded_tensor(e.fsdp_param, value, e.group)
             per_param[name] = value
         state_out[e.key] = per_param
-    groups_out, i = [], 0
+    return {"state": state_out, "param_groups": _named_param_groups(optimizer, entries)}
+
+
+def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict:
+    """Collective: ``get_optimizer_state_dict``'s dict with full tensors in
+    place of the ShardedTensors (one all-gather per unit and state name; a
+    unit's full state exists one at a time), on every rank, or rank 0's and
+    ``{}`` elsewhere with ``rank0_only`` (torch FSDP1's
+    ``FullOptimStateDictConfig``). ``set_optimizer_state_dict`` loads it at
+    any world size."""
+    root = _root_state(module)
+    _ensure_optimizer_state(optimizer)
+    entries = _optimizer_entries(module, optimizer)
+    out = {"state": {e.key: dict(optimizer.state.get(e.param, {})) for e in entries},
+           "param_groups": _named_param_groups(optimizer, entries)}
+    by_fp = {id(e.fsdp_param): e for e in entries if e.fsdp_param is not None}
+    for pg in _units(module):
+        members = [(fp, by_fp[id(fp)]) for fp in pg.fsdp_params if id(fp) in by_fp]
+        names = sorted({n for _, e in members for n, v in optimizer.state.get(e.param, {}).items()
+                        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == e.param.shape})
+        start = pg.rank * pg.shard_numel
+        for name in names:  # the same on every rank: an element-wise optimizer keeps the same names per parameter
+            values = [(fp, e, optimizer.state[e.param].get(name)) for fp, e in members]
+            dtype = next(v.dtype for _, _, v in values if v is not None)
+            shard = torch.zeros(pg.shard_numel, dtype=dtype)  # the state laid out as the unit's shard
+            for fp, _, v in values:
+                if v is not None:
+                    shard.narrow(0, fp.local_start - start, fp.local_numel).copy_(v)
+            full = torch.empty(pg.padded_numel, dtype=dtype)
+            collectives.all_gather_unit(pg.transport, shard, full).wait()
+            for fp, e, v in values:
+                if v is not None:
+                    out["state"][e.key][name] = full.narrow(0, fp.offset, fp.numel).view(fp.shape).clone()
+    return out if not rank0_only or dist.get_rank(root.group) == 0 else {}
+
+
+def _named_param_groups(optimizer: torch.optim.Optimizer, entries: list[_OptimizerEntry]) -> list[dict]:
+    groups, i = [], 0
     for group in optimizer.param_groups:
         n = len(group["params"])
-        groups_out.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": [e.key for e in entries[i:i + n]]})
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [e.key for e in entries[i:i + n]]})
         i += n
-    return {"state": state_out, "param_groups": groups_out}
+    return groups
 
 
-def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-    """Loads what ``get_optimizer_state_dict`` gave (after ``dcp.load`` into
-    it, saved at any world size) into ``optimizer``: a ShardedTensor of
-    pydist's layout, a DTensor or a full tensor of a sharded parameter's
-    shape becomes this rank's piece; the rest loads as it is."""
+def optimizer_state_dict_to_load(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """What ``optimizer.load_state_dict`` takes, from a dict keyed by
+    parameter name (``get_optimizer_state_dict``'s after ``dcp.load`` into
+    it, saved at any world size, or ``full_optimizer_state_dict``'s): a
+    ShardedTensor of pydist's layout, a DTensor or a full tensor of a
+    sharded parameter's shape becomes this rank's piece; the rest is kept."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
     _root_state(module)
     entries = _optimizer_entries(module, optimizer)
     saved_groups = state_dict["param_groups"]
     sizes = [len(g["params"]) for g in optimizer.param_groups]
     if [len(g["params"]) for g in saved_groups] != sizes:
-        raise ValueError(f"pydist set_optimizer_state_dict: the saved param_groups hold "
+        raise ValueError(f"pydist optimizer state dict: the saved param_groups hold "
                          f"{[len(g['params']) for g in saved_groups]} parameters, the optimizer's {sizes}")
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-
     new_state = {}
     for index, e in enumerate(entries):  # optimizer.state_dict() numbers parameters in this order
         saved = state_dict["state"].get(e.key)
@@ -467,4 +513,9 @@ def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     for saved_group, n in zip(saved_groups, sizes):
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(i, i + n))})
         i += n
-    optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+    return {"state": new_state, "param_groups": groups}
+
+
+def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Loads ``optimizer_state_dict_to_load``'s answer into ``optimizer``."""
+    optimizer.load_state_dict(optimizer_state_dict_to_load(module, optimizer, state_dict))

@@ -222,10 +222,10 @@ def _torch_helpers_rank(rank, world_size, root):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
-    from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
     import pydist
-    from pydist.fsdp import full_state_dict
+    from pydist.fsdp import full_state_dict, get_optimizer_state_dict
 
     out = {}
     src = _build("pydist", 0, world_size)
@@ -248,8 +248,8 @@ def _torch_helpers_rank(rank, world_size, root):
     FSDP = pydist.FullyShardedDataParallel
     torch.manual_seed(0)
     c = FSDP(MODELS["mlp"](), auto_wrap_policy=_linear_policy(), device_id=torch.device("cpu"))
-    x, y = make_batch(Scenario(), rank, 0, 0)
-    F.mse_loss(c(x), y).backward()
+    copt = torch.optim.Adam(c.parameters(), lr=0.01)
+    _train(c, copt, rank, 1, 0)
     with FSDP.state_dict_type(c, StateDictType.FULL_STATE_DICT,
                               FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
         out["fsdp1_full"] = c.state_dict()
@@ -266,6 +266,27 @@ def _torch_helpers_rank(rank, world_size, root):
         d.load_state_dict(sd)
     with FSDP.state_dict_type(d, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         out["fsdp1_loaded"] = d.state_dict()
+    # FSDP1's optimizer helpers: full (rank0_only or not) and sharded through DCP
+    out["fsdp1_optim_ref"] = _full_osd(get_optimizer_state_dict(c.module, copt))
+    full_cfg = (FullStateDictConfig(rank0_only=False), FullOptimStateDictConfig(rank0_only=False))
+    with FSDP.state_dict_type(c, StateDictType.FULL_STATE_DICT, *full_cfg):
+        full_osd = FSDP.optim_state_dict(c, copt)
+    out["fsdp1_optim_full"] = full_osd["state"]
+    with FSDP.state_dict_type(c, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),
+                              FullOptimStateDictConfig(rank0_only=True)):
+        out["fsdp1_optim_rank0"] = FSDP.optim_state_dict(c, copt)
+    dopt = torch.optim.Adam(d.parameters(), lr=0.01)
+    with FSDP.state_dict_type(d, StateDictType.FULL_STATE_DICT, *full_cfg):
+        FSDP.optim_state_dict_to_load(d, dopt, full_osd, load_directly=True)
+    out["fsdp1_optim_full_loaded"] = _full_osd(get_optimizer_state_dict(d.module, dopt))
+    with FSDP.state_dict_type(c, StateDictType.SHARDED_STATE_DICT):
+        dcp.save(FSDP.optim_state_dict(c, copt), checkpoint_id=os.path.join(root, "fsdp1_optim"))
+    eopt = torch.optim.Adam(d.parameters(), lr=0.01)
+    with FSDP.state_dict_type(d, StateDictType.SHARDED_STATE_DICT):
+        osd = FSDP.optim_state_dict(d, eopt)
+        dcp.load(osd, checkpoint_id=os.path.join(root, "fsdp1_optim"))
+        FSDP.optim_state_dict_to_load(d, eopt, osd, load_directly=True)
+    out["fsdp1_optim_sharded_loaded"] = _full_osd(get_optimizer_state_dict(d.module, eopt))
     try:
         with FSDP.state_dict_type(d, StateDictType.LOCAL_STATE_DICT):
             d.state_dict()
@@ -390,3 +411,12 @@ def test_4_to_2_torch_state_dict_helpers_and_fsdp1_state_dict_type(ckpt2, ckpt4)
         _assert_same(fsdp1_ref, out["fsdp1_default"], f"{where} FSDP1 state_dict() after the context")
         _assert_same(fsdp1_ref, out["fsdp1_loaded"], f"{where} FSDP1 SHARDED_STATE_DICT through DCP")
         assert "LOCAL_STATE_DICT" in out["local_refused"], out["local_refused"]
+        optim_ref = out["fsdp1_optim_ref"]
+        assert sorted(optim_ref) == sorted(fsdp1_ref) and all("exp_avg" in v for v in optim_ref.values())
+        _assert_same(optim_ref, out["fsdp1_optim_full"], f"{where} FSDP.optim_state_dict, FULL")
+        if rank:
+            assert out["fsdp1_optim_rank0"] == {}, f"{where}: rank0_only optimizer state on rank {rank}"
+        else:
+            _assert_same(optim_ref, out["fsdp1_optim_rank0"]["state"], f"{where} FSDP.optim_state_dict, rank0_only")
+        _assert_same(optim_ref, out["fsdp1_optim_full_loaded"], f"{where} FSDP.optim_state_dict_to_load, FULL")
+        _assert_same(optim_ref, out["fsdp1_optim_sharded_loaded"], f"{where} FSDP optimizer state, SHARDED through DCP")
