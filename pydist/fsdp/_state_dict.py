@@ -56,9 +56,11 @@ for custom tensors (``__create_write_items__``, ``__create_chunk_list__``,
 pydist tensor subclass carrying the same boxes. A rank with no piece of a
 parameter declares an empty box past the end of dim 0 (``_empty_box``).
 Likewise torch's ``get_optimizer_state_dict`` returns pydist's 1-D local
-optimizer state as plain tensors, which DCP takes as replicated and keeps
-one rank's copy of: use ``pydist.fsdp.get_optimizer_state_dict``, which
-wraps each element-wise state tensor the way its parameter is wrapped.
+optimizer state as plain tensors, which DCP takes as replicated and saves
+from one rank (loading it back raises a size mismatch; where every rank's
+piece has the same size it would hand all ranks one rank's values): use
+``pydist.fsdp.get_optimizer_state_dict``, which wraps each element-wise
+state tensor the way its parameter is wrapped.
 """
 
 from __future__ import annotations
