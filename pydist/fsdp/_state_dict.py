@@ -55,6 +55,11 @@ for custom tensors (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``, which DCP asks for before ShardedTensor) on a
 pydist tensor subclass carrying the same boxes. A rank with no piece of a
 parameter declares an empty box past the end of dim 0 (``_empty_box``).
+Cost: the metadata lists every rank's boxes (up to ``N * (2 * ndim - 1)``)
+and torch checks them pairwise for overlap when the ShardedTensor is made,
+per parameter per ``state_dict()``: measured here for a 1000 x 999 weight,
+3 ms at 8 ranks, 10 ms at 64, 0.4 s at 256. Beyond a few hundred ranks the
+protocol route above would skip that check.
 Likewise torch's ``get_optimizer_state_dict`` returns pydist's 1-D local
 optimizer state as plain tensors, which DCP takes as replicated and saves
 from one rank (loading it back raises a size mismatch; where every rank's

@@ -32,7 +32,7 @@ MODEL = "nested"  # 2-D weights split mid-row at 4 ranks, LayerNorm vectors, nes
 # --------------------------------------------------------------------------
 
 
-def _build(impl: str, seed: int, world_size: int):
+def _build(impl: str, seed: int, world_size: int, reshard_after_forward: bool = True):
     import pydist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -42,8 +42,8 @@ def _build(impl: str, seed: int, world_size: int):
     shard = torch_fully_shard if impl == "torch" else pydist.fully_shard
     kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
     for m in model.units():
-        shard(m, **kwargs)
-    return shard(model, **kwargs)
+        shard(m, reshard_after_forward=reshard_after_forward, **kwargs)
+    return shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
 def _train(model, opt, rank: int, steps: int, offset: int) -> list:
@@ -243,6 +243,16 @@ def _torch_helpers_rank(rank, world_size, root):
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(b, sd, options=StateDictOptions(full_state_dict=False))
     out["set_sharded"] = full_state_dict(b)
+    # units left unsharded (reshard_after_forward=False, a no_grad forward):
+    # state_dict() still gives the shards; load_state_dict reshards, loads, and
+    # the next forward gathers the loaded values
+    e = _build("pydist", 4, world_size, reshard_after_forward=False)
+    x, _ = make_batch(Scenario(), rank, 9, 0)
+    with torch.no_grad():
+        e(x)
+        out["unsharded_types"] = {k: type(v).__name__ for k, v in e.state_dict().items()}
+        e.load_state_dict(ref)
+        out["forward_after_load"] = (src(x), e(x))
 
     # FSDP1: FULL_STATE_DICT (rank0_only) and SHARDED_STATE_DICT, unwrapped keys
     FSDP = pydist.FullyShardedDataParallel
@@ -400,6 +410,8 @@ def test_4_to_2_torch_state_dict_helpers_and_fsdp1_state_dict_type(ckpt2, ckpt4)
         _assert_same(saved[0]["pydist_full"], out["torch<-pydist4"], f"2 ranks, {where}: torch from pydist's 4-rank")
         _assert_same(out["ref"], out["set_full"], f"{where} set_model_state_dict(full_state_dict=True)")
         _assert_same(out["ref"], out["set_sharded"], f"{where} get/set_model_state_dict(full_state_dict=False) + DCP")
+        assert set(out["unsharded_types"].values()) == {"ShardedTensor"}, out["unsharded_types"]
+        _assert_same(*[{"out": t} for t in out["forward_after_load"]], f"{where} forward after a load into unsharded units")
         fsdp1_ref = results[0]["fsdp1_full"]
         assert sorted(fsdp1_ref) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "fc3.bias", "fc3.weight"]
         if rank == 0:
