@@ -155,7 +155,8 @@ class FullyShardedDataParallel(nn.Module):
         settings = FullyShardedDataParallel.get_state_dict_type(self)
         if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
             return self._fsdp_wrapped_module.state_dict()
-        return full_state_dict(self._fsdp_wrapped_module, rank0_only=settings.state_dict_config.rank0_only)
+        rank0_only = getattr(settings.state_dict_config, "rank0_only", False)
+        return full_state_dict(self._fsdp_wrapped_module, rank0_only=rank0_only)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Full tensors (any world size saved them) or, under

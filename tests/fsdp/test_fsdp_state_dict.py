@@ -11,8 +11,7 @@ The checkpoints are written once per module (fixtures ``ckpt2``,
 ``ckpt4``): the 2-rank run saves, the 4-rank run loads it and saves its
 own, the 1- and 2-rank runs load those. A test's pytest timeout counts the
 fixtures it sets up (a spawn each), hence the larger first ones. The file
-takes about 40 s of CPU time (80-90 s of wall time at a load average of 12
-on 2 cores)."""
+takes about 40 s on 2 shared cores (95 s at a load average of 12)."""
 
 import os
 
