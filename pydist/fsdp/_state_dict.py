@@ -154,11 +154,12 @@ def flat_range_boxes(shape, start: int, end: int) -> list[Box]:
 
 
 def _rank_range(fp: FSDPParam, r: int) -> tuple[int, int]:
-    """The flat range of ``fp`` (parameter-relative) rank ``r`` keeps."""
+    """The flat range of ``fp`` (parameter-relative, within ``[0, numel]``)
+    rank ``r`` keeps; empty when r's shard ends before or starts after it."""
     pg = fp.param_group
-    lo = max(fp.offset, r * pg.shard_numel)
-    hi = min(fp.offset + fp.numel, (r + 1) * pg.shard_numel)
-    return (lo - fp.offset, max(hi, lo) - fp.offset)
+    lo = min(max(fp.offset, r * pg.shard_numel), fp.offset + fp.numel)
+    hi = max(min(fp.offset + fp.numel, (r + 1) * pg.shard_numel), lo)
+    return (lo - fp.offset, hi - fp.offset)
 
 
 def _empty_box(shape, flat_start: int) -> list[Box]:

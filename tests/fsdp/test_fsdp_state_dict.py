@@ -172,10 +172,13 @@ def _save_rank(rank, world_size, root):
     return out
 
 
-def _load_rank(rank, world_size, root, save_as, names=("pydist2", "torch2", "pydist4")):
+CHECKPOINTS = ("pydist2", "torch2", "pydist4")  # the model checkpoints, in the order they are written
+
+
+def _load_rank(rank, world_size, root, save_as, names=CHECKPOINTS, full=None):
     """Any world size: pydist loads pydist's and torch's checkpoints (model
     and Adam state), torch loads pydist's; pydist saves its own under
-    ``save_as``."""
+    ``save_as``; pydist loads the ``full`` state dict another world size gave."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_get_osd
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict as torch_set_osd
@@ -183,6 +186,10 @@ def _load_rank(rank, world_size, root, save_as, names=("pydist2", "torch2", "pyd
     from pydist.fsdp import full_state_dict, get_optimizer_state_dict
 
     out = {}
+    if full is not None:
+        model = _build("pydist", 13, world_size)
+        model.load_state_dict(full)
+        out["pydist<-full2"] = full_state_dict(model)
     for name in names:
         path = os.path.join(root, name)
         if not os.path.exists(path) or name == save_as:
@@ -335,8 +342,8 @@ def ckpt2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ckpt4(ckpt2):
-    root, _ = ckpt2
-    return run_ranks(_load_rank, 4, args=(root, "pydist4"), timeout=90)
+    root, saved = ckpt2
+    return run_ranks(_load_rank, 4, args=(root, "pydist4", CHECKPOINTS, saved[0]["pydist_full"]), timeout=90)
 
 
 def test_flat_range_boxes_cover_the_range_in_order():
@@ -377,6 +384,7 @@ def test_checkpoints_move_2_to_4_and_between_pydist_and_torch(ckpt2, ckpt4):
     assert any(out["max_boxes"] > 1 for out in saved), "no parameter's piece took more than one box"
     for rank, out in enumerate(ckpt4):
         _assert_same(pydist2, out["pydist<-pydist2"], f"4 ranks, rank {rank}: pydist from pydist's 2-rank")
+        _assert_same(pydist2, out["pydist<-full2"], f"4 ranks, rank {rank}: pydist from pydist's 2-rank full state dict")
         _assert_same(pydist2, out["torch<-pydist2"], f"4 ranks, rank {rank}: torch from pydist's 2-rank")
         _assert_same(torch2, out["pydist<-torch2"], f"4 ranks, rank {rank}: pydist from torch's 2-rank")
         _assert_same(optim2, out["optim<-pydist2"], f"4 ranks, rank {rank}: Adam state from pydist's 2-rank")
@@ -388,7 +396,8 @@ def test_checkpoints_move_2_to_4_and_between_pydist_and_torch(ckpt2, ckpt4):
 def test_checkpoints_move_2_to_1_and_4_to_1(ckpt2, ckpt4):
     root, saved = ckpt2
     pydist2, torch2, optim2 = saved[0]["pydist_full"], saved[0]["torch_full"], saved[0]["pydist_optim"]
-    out = run_ranks(_load_rank, 1, args=(root, None), timeout=60)[0]
+    out = run_ranks(_load_rank, 1, args=(root, None, CHECKPOINTS, pydist2), timeout=60)[0]
+    _assert_same(pydist2, out["pydist<-full2"], "1 rank: pydist from pydist's 2-rank full state dict")
     _assert_same(pydist2, out["pydist<-pydist4"], "1 rank: pydist from pydist's 4-rank")
     _assert_same(pydist2, out["torch<-pydist4"], "1 rank: torch from pydist's 4-rank")
     _assert_same(pydist2, out["pydist<-pydist2"], "1 rank: pydist from pydist's 2-rank")
