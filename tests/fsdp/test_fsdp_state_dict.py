@@ -360,6 +360,30 @@ def test_flat_range_boxes_cover_the_range_in_order():
                 assert all(b.flat_start == int(g[0]) for b, g in zip(boxes, got.split([b.numel for b in boxes])))
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_every_rank_piece_together_covers_each_parameter_once(world_size):
+    """The ranges the ShardedTensor metadata declares per rank (``_rank_range``)
+    are the ranges the units hold (``FSDPParam.local_start/end``), and over
+    the ranks they cover each parameter exactly once."""
+    import torch.nn as nn
+
+    from pydist.fsdp._fsdp_param import ParamModuleInfo
+    from pydist.fsdp._fsdp_param_group import FSDPParamGroup
+    from pydist.fsdp._state_dict import _rank_range
+
+    model = nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3), nn.Linear(3, 7), nn.Conv2d(2, 3, 2))
+    named = [(n, p, [ParamModuleInfo(model[int(n.split(".")[0])], n.split(".")[1])]) for n, p in model.named_parameters()]
+    for rank in range(world_size):
+        pg = FSDPParamGroup(named, rank, world_size, sharded=True, reshard_after_forward=True, label="m")
+        for fp in pg.fsdp_params:
+            lo, hi = _rank_range(fp, rank)
+            assert (lo, hi) == (fp.local_start - fp.offset, fp.local_end - fp.offset) or fp.local_numel == hi - lo == 0
+            pieces = [_rank_range(fp, r) for r in range(world_size)]
+            assert all(0 <= a <= b <= fp.numel for a, b in pieces), f"{fp}: ranks hold {pieces}"
+            covered = torch.cat([torch.arange(a, b) for a, b in pieces])
+            assert torch.equal(covered, torch.arange(fp.numel)), f"{fp}: ranks hold {pieces}"
+
+
 @pytest.mark.timeout(120)
 def test_sharded_state_dict_round_trip_same_world_size(ckpt2):
     _, results = ckpt2
