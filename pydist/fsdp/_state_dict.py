@@ -28,8 +28,8 @@ each box as a chunk, and reads any saved chunking into any other by
 overlap, so a checkpoint moves between world sizes and between pydist and
 torch FSDP2 (whose DTensors are saved as dim-0 chunks): the metadata is the
 same kind. ``dcp.load`` writes through the views straight into the shards;
-``model.load_state_dict`` of such a dict copies them in again (a no-op
-copy) and also accepts full tensors (``full_state_dict``, any world size)
+``model.load_state_dict`` of such a dict copies them in again (the same
+values) and also accepts full tensors (``full_state_dict``, any world size)
 and DTensors (gathered first). Buffers and parameters of NO_SHARD units are
 plain tensors, the same on every rank, as DCP expects replicated values.
 
@@ -47,7 +47,8 @@ Nothing in that path calls back into pydist, so it cannot be told apart
 from DCP's use of the same ShardedTensor. Use ``pydist.fsdp.full_state_dict``.
 
 ShardedTensor is what torch's FSDP1 gives for SHARDED_STATE_DICT and what
-DCP has read and written since torch 2.0 (the same calls in 2.11 and 2.13);
+DCP has read and written since torch 2.0 (checked here in 2.13's source;
+the calls used are older than 2.11, which was not run here);
 torch now warns ``FutureWarning: Please use DTensor instead and we are
 deprecating ShardedTensor`` when its torch functions run, which DCP does
 (``.size()``, ``.device``). If it goes, the replacement is DCP's protocol
@@ -370,7 +371,7 @@ class _OptimizerEntry(NamedTuple):
     key: str  # the parameter's first state-dict key under the module
     param: torch.Tensor  # what the optimizer steps on
     fsdp_param: FSDPParam | None  # None: a parameter no sharded unit manages
-    group: Any  # the process group its unit is sharded over (None with fsdp_param)
+    group: Any  # the process group its unit is sharded over (None without fsdp_param)
 
 
 def _optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[_OptimizerEntry]:
