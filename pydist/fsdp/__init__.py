@@ -3,25 +3,29 @@
     pydist.fully_shard(module)                       # FSDP2's front door
     pydist.FullyShardedDataParallel(module, ...)     # FSDP1's
     pydist.clip_grad_norm_(model.parameters(), 1.0)  # the global norm
+    model.state_dict()                               # sharded: ShardedTensors, for torch.distributed.checkpoint
     pydist.fsdp.full_state_dict(model)               # full tensors, unwrapped keys
+    pydist.fsdp.get_optimizer_state_dict(model, opt) # the optimizer's, sharded like the parameters
 
 One file per level, as torch's FSDP2 (torch/distributed/fsdp/_fully_shard/):
 _fsdp_param.py (one parameter), _fsdp_param_group.py (one unit),
 _fsdp_collectives.py (the collectives, through pydist.transport only),
 _fsdp_state.py (the hooks and the root's iteration), _fully_shard.py and
-_fully_sharded_data_parallel.py (the two front doors), _utils.py (state
-dicts, gradient clipping, memory accounting, per-unit records).
+_fully_sharded_data_parallel.py (the two front doors), _state_dict.py
+(sharded and full state dicts, the optimizer's, for torch.distributed.checkpoint),
+_utils.py (gradient clipping, memory accounting, per-unit records).
 """
 
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from pydist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
-from pydist.fsdp._utils import (
-    clip_grad_norm_,
+from pydist.fsdp._state_dict import (
+    full_optimizer_state_dict,
     full_state_dict,
-    last_iteration_record,
+    get_optimizer_state_dict,
     load_full_state_dict,
-    persistent_bytes,
+    set_optimizer_state_dict,
 )
+from pydist.fsdp._utils import clip_grad_norm_, last_iteration_record, persistent_bytes
 
 __all__ = [
     "fully_shard",
@@ -38,6 +42,9 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "full_optimizer_state_dict",
     "persistent_bytes",
     "last_iteration_record",
 ]

@@ -20,6 +20,7 @@ import torch.nn as nn
 from pydist.fsdp._fsdp_param import ParamModuleInfo
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup
 from pydist.fsdp._fsdp_state import FSDPState, state_of
+from pydist.fsdp._state_dict import register_state_dict_hooks
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -67,6 +68,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
             param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         )
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
+    register_state_dict_hooks(module)  # see [Note: the sharded state dict]
     cls = module.__class__
     if not isinstance(module, FSDPModule):
         if cls not in _FSDP_CLASSES:

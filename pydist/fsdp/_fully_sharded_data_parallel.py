@@ -19,6 +19,25 @@ names, and only the outermost object is a ``FullyShardedDataParallel``
 The parameters are the originals' local shards (``use_orig_params=True``
 only; see [Note: what the optimizer sees]), ``state_dict()`` is the full
 state dict (FSDP1's default ``FULL_STATE_DICT``) under the unwrapped keys.
+
+[Note: FSDP1's state_dict_type on pydist]
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        sd = model.state_dict()          # full tensors on rank 0, {} elsewhere
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        dcp.save(model.state_dict(), checkpoint_id=path)
+FULL_STATE_DICT is ``pydist.fsdp.full_state_dict`` (``rank0_only`` as
+torch's; ``offload_to_cpu`` changes nothing: the parameters are on the CPU).
+SHARDED_STATE_DICT is the wrapped module's ``state_dict()``: torch's FSDP1
+gives dim-0 ShardedTensors after an all-gather; pydist gives the
+ShardedTensors of [Note: the sharded state dict] (this rank's flat piece,
+no communication), which DCP reads into either. Keys are the wrapped
+module's in both (torch's FSDP1 strips its wrapper names the same way).
+The settings live on each pydist wrapper in ``module``; LOCAL_STATE_DICT
+(FSDP1's flat parameters) is not implemented. ``FSDP.optim_state_dict`` /
+``optim_state_dict_to_load`` follow the same settings: full tensors keyed
+by parameter name (``pydist.fsdp.full_optimizer_state_dict``), or the
+ShardedTensors of ``pydist.fsdp.get_optimizer_state_dict`` for DCP.
 """
 
 from __future__ import annotations
@@ -30,10 +49,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import StateDictSettings, StateDictType
 
 from pydist.fsdp._fully_shard import fully_shard
 from pydist.fsdp._fsdp_state import state_of
-from pydist.fsdp._utils import clip_grad_norm_, full_state_dict, load_full_state_dict
+from pydist.fsdp._state_dict import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    get_optimizer_state_dict,
+    load_full_state_dict,
+    optimizer_state_dict_to_load,
+)
+from pydist.fsdp._utils import clip_grad_norm_
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload"]
 
@@ -116,14 +143,114 @@ class FullyShardedDataParallel(nn.Module):
         """Clips by the global norm of every rank's gradients; returns it."""
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
+    # --- state dicts: FSDP1's state_dict_type --------------------------------
+    # See [Note: FSDP1's state_dict_type on pydist].
+
     def state_dict(self, *args, **kwargs):
-        """The full state dict (collective), under the unwrapped module's keys."""
+        """Collective under FULL_STATE_DICT (the default): full tensors, on
+        rank 0 only with ``FullStateDictConfig(rank0_only=True)``; under
+        SHARDED_STATE_DICT the ShardedTensors of [Note: the sharded state
+        dict], no communication. The unwrapped module's keys either way."""
         _refuse(args or kwargs, "state_dict arguments")
-        return full_state_dict(self._fsdp_wrapped_module)
+        settings = FullyShardedDataParallel.get_state_dict_type(self)
+        if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            return self._fsdp_wrapped_module.state_dict()
+        rank0_only = getattr(settings.state_dict_config, "rank0_only", False)
+        return full_state_dict(self._fsdp_wrapped_module, rank0_only=rank0_only)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Full tensors (any world size saved them) or, under
+        SHARDED_STATE_DICT, what ``state_dict()`` gave after
+        ``torch.distributed.checkpoint.load`` into it."""
         _refuse(assign, "load_state_dict(assign=True)")
+        settings = FullyShardedDataParallel.get_state_dict_type(self)
+        if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            return self._fsdp_wrapped_module.load_state_dict(state_dict, strict=strict)
         load_full_state_dict(self._fsdp_wrapped_module, state_dict)
+        return None
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                            optim_state_dict_config=None) -> StateDictSettings:
+        """Sets what ``state_dict()`` / ``load_state_dict`` of every pydist
+        ``FullyShardedDataParallel`` in ``module`` (itself included) mean;
+        returns the previous settings. FULL_STATE_DICT and SHARDED_STATE_DICT;
+        LOCAL_STATE_DICT raises NotImplementedError."""
+        from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig
+
+        _refuse(state_dict_type not in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT),
+                f"state_dict_type={state_dict_type}")
+        if state_dict_config is None:
+            full = state_dict_type == StateDictType.FULL_STATE_DICT
+            state_dict_config = FullStateDictConfig() if full else ShardedStateDictConfig()
+        _refuse(getattr(state_dict_config, "_use_dtensor", False), "ShardedStateDictConfig(_use_dtensor=True)")
+        wrappers = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not wrappers:
+            raise ValueError(f"pydist.FullyShardedDataParallel.set_state_dict_type: {type(module).__name__} holds "
+                             "no pydist FullyShardedDataParallel")
+        previous = FullyShardedDataParallel.get_state_dict_type(wrappers[0])
+        for w in wrappers:
+            w.__dict__["_pydist_state_dict_settings"] = StateDictSettings(state_dict_type, state_dict_config,
+                                                                          optim_state_dict_config)
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The settings ``set_state_dict_type`` gave ``module`` (FULL_STATE_DICT by default)."""
+        settings = module.__dict__.get("_pydist_state_dict_settings")
+        if settings is None:
+            from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+            settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+        return settings
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict=None, group=None) -> dict:
+        """The optimizer's state keyed by parameter name (torch FSDP1's
+        layout): full tensors under FULL_STATE_DICT (collective; ``{}`` off
+        rank 0 with ``FullOptimStateDictConfig(rank0_only=True)``), the
+        ShardedTensors of ``pydist.fsdp.get_optimizer_state_dict`` under
+        SHARDED_STATE_DICT."""
+        _refuse(optim_state_dict is not None, "optim_state_dict(optim_state_dict=...)")
+        _refuse(group is not None, "optim_state_dict(group=...)")
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        module = _wrapped(model)
+        if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            return get_optimizer_state_dict(module, optim)
+        rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
+        return full_optimizer_state_dict(module, optim, rank0_only=rank0_only)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
+                                 is_named_optimizer: bool = False, load_directly: bool = False, group=None) -> dict:
+        """What ``optim.load_state_dict`` takes, from ``optim_state_dict``'s
+        answer (full, saved at any world size, on every rank; or sharded,
+        after ``dcp.load`` into it); loads it too with ``load_directly``."""
+        _refuse(is_named_optimizer, "optim_state_dict_to_load(is_named_optimizer=True)")
+        _refuse(group is not None, "optim_state_dict_to_load(group=...)")
+        to_load = optimizer_state_dict_to_load(_wrapped(model), optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(to_load)
+        return to_load
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """``with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT): sd = model.state_dict()``:
+        ``set_state_dict_type`` for the block, the previous settings after it."""
+        previous = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                                optim_state_dict_config)
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(module, previous.state_dict_type, previous.state_dict_config,
+                                                         previous.optim_state_dict_config)
+
+
+def _wrapped(model: nn.Module) -> nn.Module:
+    """The module a pydist FullyShardedDataParallel wraps (``model`` itself otherwise)."""
+    return model.module if isinstance(model, FullyShardedDataParallel) else model
 
 
 def _wrap_targets(root: nn.Module, policy) -> set:

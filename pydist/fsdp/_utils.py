@@ -1,5 +1,6 @@
-"""What needs the global view of sharded parameters: full state dicts,
-gradient clipping by the global norm, and memory accounting."""
+"""What needs the global view of sharded parameters: gradient clipping by
+the global norm, memory accounting, per-unit records (state dicts are in
+_state_dict.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn as nn
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_state import FSDPState, state_of
 
-__all__ = ["full_state_dict", "load_full_state_dict", "clip_grad_norm_", "persistent_bytes", "PersistentBytes",
+__all__ = ["clip_grad_norm_", "persistent_bytes", "PersistentBytes",
            "last_iteration_record", "IterationRecord"]
 
 
@@ -27,55 +28,6 @@ def _root_state(module: nn.Module) -> FSDPState:
 
 def _units(module: nn.Module):
     return [s.param_group for m in module.modules() if (s := state_of(m)) is not None and s.param_group is not None]
-
-
-def _gather_full_flat(pg) -> torch.Tensor:
-    if not pg.sharded:
-        return pg.shard
-    full = torch.empty(pg.padded_numel, dtype=pg.dtype)
-    collectives.all_gather_unit(pg.transport, pg.shard, full).wait()
-    return full
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: ``module.state_dict()`` with every sharded parameter
-    replaced by its full tensor (a fresh copy), under the unwrapped module's
-    keys, on every rank. Call it between iterations."""
-    _root_state(module)
-    full_by_id: dict[int, torch.Tensor] = {}
-    for pg in _units(module):
-        flat = _gather_full_flat(pg)
-        for fp in pg.fsdp_params:
-            full_by_id[id(fp.sharded_param)] = flat.narrow(0, fp.offset, fp.numel).view(fp.shape).clone()
-    sd = module.state_dict()
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in full_by_id and name in sd:
-            sd[name] = full_by_id[id(p)]
-    return sd
-
-
-def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Loads full tensors (``full_state_dict``'s keys; any world size saved
-    them) into this rank's shards; buffers and unsharded parameters load as
-    ``load_state_dict`` would."""
-    _root_state(module)
-    by_id = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-    rest = dict(state_dict)
-    with torch.no_grad():
-        for pg in _units(module):
-            for fp in pg.fsdp_params:
-                name = by_id.get(id(fp.sharded_param))
-                if name is None or name not in state_dict:
-                    raise KeyError(f"pydist load_full_state_dict: no entry for parameter {fp.fqn!r}")
-                full = rest.pop(name).reshape(-1)
-                if full.numel() != fp.numel:
-                    raise ValueError(f"load_full_state_dict: {name} has {full.numel()} elements, the parameter {fp.numel}")
-                if fp.local_numel:
-                    fp.sharded_param.reshape(-1).copy_(full.narrow(0, fp.local_start - fp.offset, fp.local_numel))
-    managed = set(by_id.values())
-    for name in [n for n in rest if n in managed]:
-        rest.pop(name)  # the other names of a shared parameter
-    module.load_state_dict(rest, strict=False)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,

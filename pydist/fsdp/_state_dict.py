@@ -1,0 +1,530 @@
+"""State dicts and checkpoints of fully_shard'ed modules: the sharded state
+dict ``model.state_dict()`` returns (each rank its shard plus metadata,
+for ``torch.distributed.checkpoint``), the full one, and the optimizer's.
+
+    sd = model.state_dict()                     # ShardedTensors: no communication
+    dcp.save(sd, checkpoint_id=path)            # any world size reads it back
+    sd = model.state_dict(); dcp.load(sd, checkpoint_id=path); model.load_state_dict(sd)
+    full = pydist.fsdp.full_state_dict(model)   # full tensors (collective)
+    osd = pydist.fsdp.get_optimizer_state_dict(model, opt)   # for dcp.save too
+    pydist.fsdp.set_optimizer_state_dict(model, opt, osd)    # after dcp.load(osd, ...)
+    full_osd = pydist.fsdp.full_optimizer_state_dict(model, opt)  # full tensors (collective)
+
+[Note: the sharded state dict]
+torch's FSDP2 shards each parameter on dim 0, so its ``state_dict()`` holds
+DTensors ``Shard(0)`` and ``dcp.save(model.state_dict())`` just works.
+pydist's rank r keeps a contiguous range of its unit's flat layout (see
+[Note: the unit's flat layout]), so one parameter's local piece is a *flat*
+range ``[local_start, local_end)`` of its flattened elements: not a dim-0
+shard, and not something a DTensor placement can say. A flat range of a
+row-major tensor is a union of at most ``2 * ndim - 1`` boxes (a partial
+first row of the last dim, whole rows, a partial last row, and so on one
+dim up): ``flat_range_boxes``. So for a sharded unit ``model.state_dict()``
+gives, per parameter, a ``ShardedTensor`` of the parameter's full shape
+whose local shards are those boxes, each a *view* of this rank's shard
+buffer, and whose metadata lists every rank's boxes (the layout is known on
+every rank: no communication). DCP saves ShardedTensors natively, records
+each box as a chunk, and reads any saved chunking into any other by
+overlap, so a checkpoint moves between world sizes and between pydist and
+torch FSDP2 (whose DTensors are saved as dim-0 chunks): the metadata is the
+same kind. ``dcp.load`` writes through the views straight into the shards;
+``model.load_state_dict`` of such a dict copies them in again (the same
+values) and also accepts full tensors (``full_state_dict``, any world size)
+and DTensors (gathered first). Buffers and parameters of NO_SHARD units are
+plain tensors, the same on every rank, as DCP expects replicated values.
+
+What torch's helpers do with it: ``get_model_state_dict`` and
+``set_model_state_dict`` with ``full_state_dict=False`` call
+``state_dict`` / ``load_state_dict`` and work; ``set_model_state_dict`` with
+``full_state_dict=True`` hands full tensors to ``load_state_dict`` and
+works. ``get_model_state_dict(full_state_dict=True)`` does not:
+torch gathers every ShardedTensor with ``_all_gather_sharded_tensor``
+(torch/distributed/_state_dict_utils.py), which assumes one dim-0 chunk of
+``ceil(dim0 / N)`` rows per rank and reads only the first local shard;
+pydist's pieces are flat ranges, so gloo raises a size mismatch, or, where
+every rank's first box happens to fit a chunk, the values come out wrong.
+Nothing in that path calls back into pydist, so it cannot be told apart
+from DCP's use of the same ShardedTensor. Use ``pydist.fsdp.full_state_dict``.
+
+ShardedTensor is what torch's FSDP1 gives for SHARDED_STATE_DICT and what
+DCP has read and written since torch 2.0 (checked here in 2.13's source;
+the calls used are older than 2.11, which was not run here);
+torch now warns ``FutureWarning: Please use DTensor instead and we are
+deprecating ShardedTensor`` when its torch functions run, which DCP does
+(``.size()``, ``.device``). If it goes, the replacement is DCP's protocol
+for custom tensors (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``, which DCP asks for before ShardedTensor) on a
+pydist tensor subclass carrying the same boxes. A rank with no piece of a
+parameter declares an empty box past the end of dim 0 (``_empty_box``).
+Cost: the metadata lists every rank's boxes (up to ``N * (2 * ndim - 1)``)
+and torch checks them pairwise for overlap when the ShardedTensor is made,
+per parameter per ``state_dict()``: measured here for a 1000 x 999 weight,
+3 ms at 8 ranks, 10 ms at 64, 0.4 s at 256. Beyond a few hundred ranks the
+protocol route above would skip that check.
+Likewise torch's ``get_optimizer_state_dict`` returns pydist's 1-D local
+optimizer state as plain tensors, which DCP takes as replicated and saves
+from one rank (loading it back raises a size mismatch; where every rank's
+piece has the same size it would hand all ranks one rank's values): use
+``pydist.fsdp.get_optimizer_state_dict``, which wraps each element-wise
+state tensor the way its parameter is wrapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.fsdp._fsdp_param import FSDPParam
+from pydist.fsdp._fsdp_param_group import ShardedState, TrainingState
+from pydist.fsdp._fsdp_state import state_of
+from pydist.fsdp._utils import _root_state, _units
+
+__all__ = [
+    "full_state_dict",
+    "load_full_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "full_optimizer_state_dict",
+    "optimizer_state_dict_to_load",
+    "flat_range_boxes",
+    "Box",
+    "register_state_dict_hooks",
+]
+
+
+# --------------------------------------------------------------------------
+# A flat range as boxes
+# --------------------------------------------------------------------------
+
+
+class Box(NamedTuple):
+    """A rectangular block of a tensor that is also a contiguous flat range
+    of it, starting at element ``flat_start``."""
+
+    offsets: tuple  # per dim, where it starts
+    sizes: tuple  # per dim, how far it reaches
+    flat_start: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def flat_range_boxes(shape, start: int, end: int) -> list[Box]:
+    """The elements ``[start, end)`` of a row-major tensor of ``shape`` as
+    boxes in flat order, at most ``2 * len(shape) - 1`` of them (none when
+    the range is empty). See [Note: the sharded state dict]."""
+    shape = tuple(shape)
+    if start >= end:
+        return []
+    if not shape:
+        return [Box((), (), 0)]
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+    first_row, last_row = start // inner, (end - 1) // inner
+
+    def in_row(row: int, lo: int, hi: int) -> list[Box]:  # [lo, hi) within row ``row``
+        if lo == 0 and hi == inner:
+            return [Box((row,) + (0,) * (len(shape) - 1), (1,) + shape[1:], row * inner)]
+        return [Box((row,) + b.offsets, (1,) + b.sizes, row * inner + b.flat_start)
+                for b in flat_range_boxes(shape[1:], lo, hi)]
+
+    if first_row == last_row:
+        return in_row(first_row, start - first_row * inner, end - first_row * inner)
+    boxes: list[Box] = []
+    whole_from, whole_to = first_row, last_row + 1  # rows wholly inside, [whole_from, whole_to)
+    if start % inner:
+        boxes += in_row(first_row, start % inner, inner)
+        whole_from += 1
+    tail = []
+    if end % inner:
+        tail = in_row(last_row, 0, end % inner)
+        whole_to -= 1
+    if whole_to > whole_from:
+        boxes.append(Box((whole_from,) + (0,) * (len(shape) - 1), (whole_to - whole_from,) + shape[1:],
+                         whole_from * inner))
+    return boxes + tail
+
+
+def _rank_range(fp: FSDPParam, r: int) -> tuple[int, int]:
+    """The flat range of ``fp`` (parameter-relative, within ``[0, numel]``)
+    rank ``r`` keeps; empty when r's shard ends before or starts after it."""
+    pg = fp.param_group
+    lo = min(max(fp.offset, r * pg.shard_numel), fp.offset + fp.numel)
+    hi = max(min(fp.offset + fp.numel, (r + 1) * pg.shard_numel), lo)
+    return (lo - fp.offset, hi - fp.offset)
+
+
+def _empty_box(shape, flat_start: int) -> list[Box]:
+    """The box a rank without a piece of a parameter declares: empty, just
+    past the end of dim 0. Without one, DCP's load drops the key on that rank
+    (``_flatten_sharded_tensors`` skips ShardedTensors with no local shard),
+    and a key missing from one rank's load plan sends DCP down its pre-2.4
+    key-format path, which fails on optimizer state dicts. See [Note: the
+    sharded state dict]."""
+    if not shape:
+        return []  # a 0-d parameter lives on one rank; the others have no key to load
+    return [Box((shape[0],) + (0,) * (len(shape) - 1), (0,) + tuple(shape[1:]), flat_start)]
+
+
+def _local_boxes(fp: FSDPParam) -> list[Box]:
+    return flat_range_boxes(fp.shape, *_rank_range(fp, fp.param_group.rank))
+
+
+# --------------------------------------------------------------------------
+# The sharded state dict: ShardedTensors over the flat pieces
+# --------------------------------------------------------------------------
+
+
+def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
+    """A ShardedTensor of ``fp``'s full shape whose local shards are views of
+    ``local`` (this rank's flat piece: the shard, or optimizer state shaped
+    like it). See [Note: the sharded state dict]."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    pg = fp.param_group
+    local = local.detach()
+    shards_md, local_shards = [], []
+    for r in range(pg.shard_world_size):
+        placement = f"rank:{dist.get_global_rank(group, r) if group is not dist.group.WORLD else r}/cpu"
+        lo, hi = _rank_range(fp, r)
+        for box in flat_range_boxes(fp.shape, lo, hi) or _empty_box(fp.shape, lo):
+            md = ShardMetadata(list(box.offsets), list(box.sizes), placement)
+            shards_md.append(md)
+            if r == pg.rank:
+                local_shards.append(Shard(local.narrow(0, box.flat_start - lo, box.numel).view(box.sizes), md))
+    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = ShardedTensorMetadata(shards_md, torch.Size(fp.shape), props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
+
+
+def _to_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:
+    """This rank's flat piece of ``fp`` from what a state dict holds under
+    ``key``: a ShardedTensor of pydist's layout at this world size, a DTensor
+    (gathered: collective) or a full tensor."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    where = f"pydist load_state_dict: {key!r} (rank {fp.param_group.rank})"
+    if isinstance(value, ShardedTensor):
+        size = tuple(value.metadata().size)  # not value.size(): ShardedTensor's torch functions warn of deprecation
+        if size != tuple(fp.shape):
+            raise ValueError(f"{where}: a ShardedTensor of shape {size}, the parameter is {tuple(fp.shape)}")
+        have = {(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)): s.tensor
+                for s in value.local_shards() if s.tensor.numel()}
+        want = _local_boxes(fp)
+        if set(have) != {(b.offsets, b.sizes) for b in want}:
+            raise ValueError(
+                f"{where}: its ShardedTensor's local shards {sorted(have)} are not this rank's pieces "
+                f"{[(b.offsets, b.sizes) for b in want]} (saved at another world size or by another wrapper?); "
+                "read the checkpoint with torch.distributed.checkpoint.load into this model's state_dict() instead"
+            )
+        pieces = [have[(b.offsets, b.sizes)].reshape(-1) for b in want]
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else fp.sharded_param.new_empty(0)
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
+    if value.numel() != fp.numel:
+        raise ValueError(f"{where}: a tensor of shape {tuple(value.shape)}, the parameter is {tuple(fp.shape)}")
+    start, end = _rank_range(fp, fp.param_group.rank)
+    return value.reshape(-1).narrow(0, start, end - start)
+
+
+def _keys_of_units(module: nn.Module, units) -> dict[int, list[str]]:
+    """For each FSDPParam of ``units`` (by id), the state-dict keys it has
+    under ``module`` (several when shared), in ``module.state_dict()`` order."""
+    slot_to_fp = {(id(info.module), info.name): fp for pg in units for fp in pg.fsdp_params for info in fp.module_infos}
+    keys: dict[int, list[str]] = {}
+    for mod_name, m in module.named_modules(remove_duplicate=False):
+        for name in m._parameters:
+            fp = slot_to_fp.get((id(m), name))
+            if fp is not None:
+                keys.setdefault(id(fp), []).append(f"{mod_name}.{name}" if mod_name else name)
+    return keys
+
+
+class _UnitStateDictHooks:
+    """The hooks ``register_state_dict_hooks`` puts on one fully_shard'ed
+    module whose unit is sharded: ``state_dict`` gives its parameters as
+    ShardedTensors, ``load_state_dict`` takes them (or full tensors, or
+    DTensors) back into the shards. See [Note: the sharded state dict]."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._keys: dict[int, list[str]] | None = None  # by id(FSDPParam), relative to module; made on first use
+
+    def _param_group(self):
+        state = state_of(self.module)
+        pg = state.param_group if state is not None else None
+        return pg if pg is not None and pg.sharded else None
+
+    def _entries(self, pg, prefix: str):
+        if self._keys is None:
+            self._keys = _keys_of_units(self.module, [pg])
+        for fp in pg.fsdp_params:
+            for key in self._keys.get(id(fp), []):
+                yield fp, prefix + key
+
+    def state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        pg = self._param_group()
+        if pg is None:
+            return None
+        group = state_of(module).group
+        for fp, key in self._entries(pg, prefix):
+            if key in state_dict:
+                state_dict[key] = _as_sharded_tensor(fp, fp.sharded_param, group)
+        return None
+
+    def load_state_dict_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                                 unexpected_keys, error_msgs):
+        pg = self._param_group()
+        if pg is None:
+            return
+        if pg.sharded_state != ShardedState.SHARDED:
+            if pg.training_state != TrainingState.IDLE:
+                raise RuntimeError(f"pydist load_state_dict: unit {pg.label!r} is in {pg.training_state.name}; "
+                                   "load between iterations")
+            pg.reshard()  # the shards are what loads; a later unshard gathers the new values
+        for fp, key in self._entries(pg, prefix):
+            if key in state_dict:
+                state_dict[key] = _to_local_piece(fp, state_dict[key], key)
+
+
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Called by ``fully_shard`` on the module it shards: see [Note: the sharded state dict]."""
+    hooks = _UnitStateDictHooks(module)
+    module._register_state_dict_hook(hooks.state_dict_hook)
+    module._register_load_state_dict_pre_hook(hooks.load_state_dict_pre_hook, with_module=True)
+
+
+# --------------------------------------------------------------------------
+# Full state dicts
+# --------------------------------------------------------------------------
+
+
+def _gather_full_flat(pg) -> torch.Tensor:
+    if not pg.sharded:
+        return pg.shard
+    full = torch.empty(pg.padded_numel, dtype=pg.dtype)
+    collectives.all_gather_unit(pg.transport, pg.shard, full).wait()
+    return full
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Collective: ``module.state_dict()`` with every sharded parameter
+    replaced by its full tensor (a fresh copy), under the unwrapped module's
+    keys, on every rank (``rank0_only``: rank 0's dict, ``{}`` on the others,
+    as torch FSDP1's ``FullStateDictConfig(rank0_only=True)``). Call it
+    between iterations; one unit's full parameters exist at a time."""
+    state = _root_state(module)
+    units = _units(module)
+    keys = _keys_of_units(module, units)
+    sd = module.state_dict()
+    keep = not rank0_only or dist.get_rank(state.group) == 0
+    for pg in units:
+        flat = _gather_full_flat(pg)
+        for fp in pg.fsdp_params:
+            full = flat.narrow(0, fp.offset, fp.numel).view(fp.shape).clone() if keep else None
+            for key in keys.get(id(fp), []):
+                if key in sd:
+                    sd[key] = full
+    return sd if keep else {}
+
+
+def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Loads full tensors (``full_state_dict``'s keys; any world size saved
+    them) into this rank's shards; buffers and unsharded parameters load as
+    ``load_state_dict`` would. Every parameter fully_shard manages must have
+    an entry; other missing or unexpected keys are let be (``strict=False``)."""
+    _root_state(module)
+    units = _units(module)
+    keys = _keys_of_units(module, units)
+    for pg in units:
+        for fp in pg.fsdp_params:
+            if not any(k in state_dict for k in keys.get(id(fp), [])):
+                raise KeyError(f"pydist load_full_state_dict: no entry for parameter {fp.fqn!r} "
+                               f"(keys {keys.get(id(fp), [])}) of unit {pg.label!r}")
+    with torch.no_grad():
+        module.load_state_dict(state_dict, strict=False)
+
+
+# --------------------------------------------------------------------------
+# The optimizer's state
+# --------------------------------------------------------------------------
+
+
+class _OptimizerEntry(NamedTuple):
+    key: str  # the parameter's first state-dict key under the module
+    param: torch.Tensor  # what the optimizer steps on
+    fsdp_param: FSDPParam | None  # None: a parameter no sharded unit manages
+    group: Any  # the process group its unit is sharded over (None without fsdp_param)
+
+
+def _optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[_OptimizerEntry]:
+    """Every parameter ``optimizer`` steps on, in its param_groups' order."""
+    states = [s for m in module.modules() if (s := state_of(m)) is not None and s.param_group is not None]
+    units = [s.param_group for s in states]
+    group_of = {id(s.param_group): s.group for s in states}
+    keys = _keys_of_units(module, units)
+    plain = {id(p): n for n, p in module.named_parameters()}
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fp = getattr(p, "_pydist_fsdp_param", None)
+            if fp is not None and fp.param_group.sharded and keys.get(id(fp)):
+                out.append(_OptimizerEntry(keys[id(fp)][0], p, fp, group_of[id(fp.param_group)]))
+            elif id(p) in plain:
+                out.append(_OptimizerEntry(plain[id(p)], p, None, None))
+            else:
+                raise ValueError(f"pydist optimizer state dict: a parameter of shape {tuple(p.shape)} the "
+                                 f"optimizer steps on is not one of {type(module).__name__}'s")
+    return out
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Makes the optimizer create its state, as torch's
+    get_optimizer_state_dict does, so a checkpoint has tensors to load into:
+    a step with zero gradients and lr 0, when it has no state and no
+    gradients yet (with gradients, the next real step creates it; a step
+    here would count them). Leaves gradients (None) and lr as they were."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
+def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state by parameter key (torch's
+    ``get_optimizer_state_dict`` layout: ``{"state": {key: {name: value}},
+    "param_groups": [{..., "params": [key, ...]}]}``). A state tensor shaped
+    like a sharded parameter's local piece (SGD's momentum, Adam's moments)
+    is given as a ShardedTensor of the parameter's shape, as ``state_dict``
+    gives the parameter (views: ``dcp.load`` writes into the optimizer's
+    state); scalars (Adam's ``step``) stay as they are, the same on every
+    rank. So element-wise optimizers' state reshards with DCP like the
+    parameters. Creates the state if the optimizer has none yet and no
+    gradients (see ``_ensure_optimizer_state``)."""
+    _root_state(module)
+    _ensure_optimizer_state(optimizer)
+    entries = _optimizer_entries(module, optimizer)
+    state_out: dict[str, dict] = {}
+    for e in entries:
+        per_param = {}
+        for name, value in optimizer.state.get(e.param, {}).items():
+            if e.fsdp_param is not None and isinstance(value, torch.Tensor) and value.dim() >= 1 \
+                    and value.shape == e.param.shape:
+                value = _as_sharded_tensor(e.fsdp_param, value, e.group)
+            per_param[name] = value
+        state_out[e.key] = per_param
+    return {"state": state_out, "param_groups": _named_param_groups(optimizer, entries)}
+
+
+def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict:
+    """Collective: ``get_optimizer_state_dict``'s dict with full tensors in
+    place of the ShardedTensors (one all-gather per unit and state name; a
+    unit's full state exists one at a time), on every rank, or rank 0's and
+    ``{}`` elsewhere with ``rank0_only`` (torch FSDP1's
+    ``FullOptimStateDictConfig``). ``set_optimizer_state_dict`` loads it at
+    any world size."""
+    root = _root_state(module)
+    _ensure_optimizer_state(optimizer)
+    entries = _optimizer_entries(module, optimizer)
+    out = {"state": {e.key: dict(optimizer.state.get(e.param, {})) for e in entries},
+           "param_groups": _named_param_groups(optimizer, entries)}
+    by_fp = {id(e.fsdp_param): e for e in entries if e.fsdp_param is not None}
+    for pg in _units(module):
+        members = [(fp, by_fp[id(fp)]) for fp in pg.fsdp_params if id(fp) in by_fp]
+        names = sorted({n for _, e in members for n, v in optimizer.state.get(e.param, {}).items()
+                        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == e.param.shape})
+        start = pg.rank * pg.shard_numel
+        for name in names:  # the same on every rank: an element-wise optimizer keeps the same names per parameter
+            values = [(fp, e, optimizer.state[e.param].get(name)) for fp, e in members]
+            dtype = next(v.dtype for _, _, v in values if v is not None)
+            shard = torch.zeros(pg.shard_numel, dtype=dtype)  # the state laid out as the unit's shard
+            for fp, _, v in values:
+                if v is not None:
+                    shard.narrow(0, fp.local_start - start, fp.local_numel).copy_(v)
+            full = torch.empty(pg.padded_numel, dtype=dtype)
+            collectives.all_gather_unit(pg.transport, shard, full).wait()
+            for fp, e, v in values:
+                if v is not None:
+                    out["state"][e.key][name] = full.narrow(0, fp.offset, fp.numel).view(fp.shape).clone()
+    return out if not rank0_only or dist.get_rank(root.group) == 0 else {}
+
+
+def _named_param_groups(optimizer: torch.optim.Optimizer, entries: list[_OptimizerEntry]) -> list[dict]:
+    groups, i = [], 0
+    for group in optimizer.param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [e.key for e in entries[i:i + n]]})
+        i += n
+    return groups
+
+
+def optimizer_state_dict_to_load(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """What ``optimizer.load_state_dict`` takes, from a dict keyed by
+    parameter name (``get_optimizer_state_dict``'s after ``dcp.load`` into
+    it, saved at any world size, or ``full_optimizer_state_dict``'s): a
+    ShardedTensor of pydist's layout, a DTensor or a full tensor of a
+    sharded parameter's shape becomes this rank's piece; the rest is kept."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    _root_state(module)
+    entries = _optimizer_entries(module, optimizer)
+    saved_groups = state_dict["param_groups"]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if [len(g["params"]) for g in saved_groups] != sizes:
+        raise ValueError(f"pydist optimizer state dict: the saved param_groups hold "
+                         f"{[len(g['params']) for g in saved_groups]} parameters, the optimizer's {sizes}")
+    new_state = {}
+    for index, e in enumerate(entries):  # optimizer.state_dict() numbers parameters in this order
+        saved = state_dict["state"].get(e.key)
+        if saved is None:
+            continue
+        per_param = {}
+        for name, value in saved.items():
+            fp = e.fsdp_param
+            if fp is not None and (isinstance(value, (ShardedTensor, DTensor)) or
+                                   (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == fp.shape)):
+                value = _to_local_piece(fp, value, f"{e.key} optimizer state {name!r}").clone()
+            per_param[name] = value
+        new_state[index] = per_param
+    groups, i = [], 0
+    for saved_group, n in zip(saved_groups, sizes):
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(i, i + n))})
+        i += n
+    return {"state": new_state, "param_groups": groups}
+
+
+def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Loads ``optimizer_state_dict_to_load``'s answer into ``optimizer``."""
+    optimizer.load_state_dict(optimizer_state_dict_to_load(module, optimizer, state_dict))
