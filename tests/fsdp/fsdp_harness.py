@@ -164,14 +164,18 @@ def make_optimizer(name: str, params):
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int):
-    """Returns (the module to call, a function setting gradient sync, the clip function, full params)."""
+def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group=None):
+    """The wrapped ``model``: torch's on ``torch_group`` (None: the default
+    group), pydist's on the default group."""
     if sc.api == "fsdp2":
         if impl == "torch":
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world_size,))
+            if torch_group is None:
+                mesh = init_device_mesh("cpu", (world_size,))
+            else:
+                mesh = DeviceMesh.from_group(torch_group, "cpu")
             kwargs = dict(mesh=mesh)
         else:
             from pydist import fully_shard
@@ -212,7 +216,8 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int):
     if impl == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-        return FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[sc.strategy], **kwargs)
+        return FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[sc.strategy],
+                                        process_group=torch_group, **kwargs)
     import pydist
 
     return pydist.FullyShardedDataParallel(model, sharding_strategy=pydist.ShardingStrategy[sc.strategy], shm=sc.shm,
@@ -254,9 +259,9 @@ def _full_params(impl: str, sc: Scenario, model) -> dict:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
+def train(rank: int, world_size: int, sc: Scenario, impl: str, torch_group=None) -> RunResult:
     torch.manual_seed(sc.seed)
-    model = wrap(impl, sc, MODELS[sc.model](), world_size)
+    model = wrap(impl, sc, MODELS[sc.model](), world_size, torch_group)
     opt = make_optimizer(sc.optimizer, [p for p in model.parameters() if p.requires_grad])
     losses, norms = [], []
     for step in range(sc.steps):
@@ -279,15 +284,17 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
     return RunResult(losses, norms, _full_params(impl, sc, model), transport)
 
 
-def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist")) -> list:
+def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist"), torch_group=None) -> list:
     """Rank entry point: ``[{impl: RunResult}]`` per scenario (pydist.spawn
-    pickles it by value: no tensor shares memory with the rank)."""
+    pickles it by value: no tensor shares memory with the rank). torch's
+    wrapper runs on ``torch_group`` (tests/mpi: gloo beside pydist's mpi4py
+    default group)."""
     out = []
     for sc in scenarios:
         per_impl = {}
         for impl in impls:
             dist.barrier()
-            per_impl[impl] = train(rank, world_size, sc, impl)
+            per_impl[impl] = train(rank, world_size, sc, impl, torch_group)
         out.append(per_impl)
     return out
 
@@ -317,8 +324,9 @@ def assert_close(ref, got, exact: bool, what: str, rtol: float = 1e-6, atol: flo
         torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def assert_parity(results, exact: bool, scenarios, transport: str | None = None):
-    for rank, per_rank in enumerate(results):
+def assert_parity(results, exact: bool, scenarios, transport: str | None = None, first_rank: int = 0):
+    """``results[i]`` is rank ``first_rank + i``'s (tests/mpi: each rank checks its own)."""
+    for rank, per_rank in enumerate(results, first_rank):
         for i, (sc, per_impl) in enumerate(zip(scenarios, per_rank)):
             ref, got = per_impl["torch"], per_impl["pydist"]
             where = f"rank {rank} scenario {i} ({sc})"
