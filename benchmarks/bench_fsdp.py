@@ -1,21 +1,33 @@
-"""pydist FSDP beside torch FSDP2: step time, persistent bytes, padding and
-peak RSS on CPU ranks over gloo.
+"""pydist FSDP beside torch FSDP2 and FSDP1: step time, persistent bytes,
+padding and peak RSS on CPU ranks over gloo.
 
-    python benchmarks/bench_fsdp.py [--world-size 2] [--rounds 5] [--steps 3] [--models all] [--json]
+    python benchmarks/bench_fsdp.py [--nprocs 2|4] [--rounds 5] [--steps 3] [--models linear,transformer|all] [--json]
+
+Models (``--models``, comma-separated keys, or ``all``; the default runs
+``linear,transformer``, about 3 minutes on 2 quiet cores):
+
+    linear       8 x (Linear(1024) + ReLU)
+    ln400        400 x (Linear(64) + LayerNorm): many small units
+    transformer  4 x TransformerEncoderLayer(d_model 256, 4 heads, ffn 1024),
+                 then LayerNorm + Linear(256) head; 8 sequences of 64 tokens
 
 A step is zero_grad + forward + backward + Adam step on the shards, each
-Linear (or Linear+LayerNorm pair) one unit, the root last. Modes, in one run
-and interleaved round by round (only ratios within a run mean anything on
-these machines):
+block (the Linear(+ReLU / +LayerNorm) pair, the encoder layer) one unit, the
+root last. Modes, in one run and interleaved round by round (only ratios
+within a run mean anything on these machines):
 
-    torch      torch.distributed.fsdp.fully_shard (FSDP2)
-    pydist     pydist.fully_shard, collectives through shared memory (its
-               default here: every rank on this host)
-    pydist_pg  the same with shm=False: collectives on the gloo group
-    torch_ddp  torch.nn.parallel.DistributedDataParallel (every rank keeps everything)
-    pydist_ddp pydist.DistributedDataParallel
+    torch       torch.distributed.fsdp.fully_shard (FSDP2)
+    torch_fsdp1 torch.distributed.fsdp.FullyShardedDataParallel (FSDP1),
+                device_id=cpu, use_orig_params=True, each block wrapped by
+                ModuleWrapPolicy
+    pydist      pydist.fully_shard, collectives through shared memory (its
+                default here: every rank on this host)
+    pydist_pg   the same with shm=False: collectives on the gloo group
+    torch_ddp   torch.nn.parallel.DistributedDataParallel (every rank keeps everything)
+    pydist_ddp  pydist.DistributedDataParallel
 
-"paired" is the median over rounds of a mode's step / torch FSDP2's within a round.
+"paired" is the median over rounds of a mode's step / torch FSDP2's within a
+round, "vs fsdp1" the same against torch FSDP1's.
 Persistent bytes are the distinct storages of the parameters, their
 gradients and Adam's state on one rank after a step (torch: the DTensors'
 local tensors); "ideal" is 16 Psi / N. Padding is the elements a rank's
@@ -33,6 +45,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,14 +64,54 @@ def _linear_ln():
     return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(400)])
 
 
-MODELS = {"8x Linear(1024)+ReLU": (_linear_relu, 1024), "400x (Linear(64)+LayerNorm)": (_linear_ln, 64)}
-MODES = ("torch", "pydist", "pydist_pg", "torch_ddp", "pydist_ddp")
-BATCH = 64
+class SmallTransformer(nn.Module):
+    """Pre-norm encoder blocks (the units), then a norm and a head (the root's)."""
+
+    def __init__(self, layers: int = 4, d_model: int = 256, heads: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList([
+            nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)])
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x).flatten(0, 1))  # 2-D: a 3-D Linear returns a view, which FSDP2 warns about
 
 
-def _build(mode: str, model_name: str, world_size: int):
+class Model(NamedTuple):
+    name: str  # as the table prints it
+    build: Callable[[], nn.Module]
+    input_shape: tuple  # one rank's batch
+
+
+MODELS = {
+    "linear": Model("8x Linear(1024)+ReLU", _linear_relu, (64, 1024)),
+    "ln400": Model("400x (Linear(64)+LayerNorm)", _linear_ln, (64, 64)),
+    "transformer": Model("4x TransformerEncoderLayer(256, 4 heads)", SmallTransformer, (8, 64, 256)),
+}
+DEFAULT_MODELS = "linear,transformer"
+MODES = ("torch", "torch_fsdp1", "pydist", "pydist_pg", "torch_ddp", "pydist_ddp")
+
+
+def _blocks(model: nn.Module) -> list:
+    """The units below the root: the encoder layers, or the Sequential's blocks."""
+    return list(model.layers) if isinstance(model, SmallTransformer) else list(model)
+
+
+def _build(mode: str, model_key: str, world_size: int):
     torch.manual_seed(0)
-    model = MODELS[model_name][0]()
+    model = MODELS[model_key].build()
+    if mode == "torch_fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        policy = ModuleWrapPolicy({type(_blocks(model)[0])})  # the root is wrapped anyway
+        model = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                                         use_orig_params=True)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
     if mode.endswith("_ddp"):
         import pydist
 
@@ -74,7 +127,7 @@ def _build(mode: str, model_name: str, world_size: int):
         from pydist import fully_shard
 
         kwargs = {"shm": mode == "pydist"}
-    for block in model:
+    for block in _blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -107,9 +160,20 @@ def _step_fn(model, opt, x):
     return step
 
 
-def _time_rank(rank, world_size, model_name, rounds, steps):
-    x = torch.randn(BATCH, MODELS[model_name][1], generator=torch.Generator().manual_seed(rank))
-    built = {mode: _build(mode, model_name, world_size) for mode in MODES}
+def _input(model_key: str, rank: int) -> torch.Tensor:
+    return torch.randn(*MODELS[model_key].input_shape, generator=torch.Generator().manual_seed(rank))
+
+
+def _fsdp1_local_numel(model) -> int:
+    """Elements of FSDP1's local flat-parameter shards (padding included)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return sum(m._handle.flat_param.numel() for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle)
+
+
+def _time_rank(rank, world_size, model_key, rounds, steps):
+    x = _input(model_key, rank)
+    built = {mode: _build(mode, model_key, world_size) for mode in MODES}
     steps_fn = {mode: _step_fn(model, opt, x) for mode, (model, opt) in built.items()}
     for fn in steps_fn.values():
         for _ in range(2):
@@ -122,7 +186,7 @@ def _time_rank(rank, world_size, model_name, rounds, steps):
             for _ in range(steps):
                 fn()
             times[mode].append((time.perf_counter() - t0) / steps)
-    psi = sum(p.numel() for p in MODELS[model_name][0]().parameters())
+    psi = sum(p.numel() for p in MODELS[model_key].build().parameters())
     memory = {}
     for mode, (model, opt) in built.items():
         nbytes = _persistent(model, opt)
@@ -130,6 +194,8 @@ def _time_rank(rank, world_size, model_name, rounds, steps):
             local_numel = psi / world_size  # replicated: no padding, and no sharding
         elif mode == "torch":  # DTensor local shards are padded per parameter on dim 0
             local_numel = sum(_local(p).untyped_storage().nbytes() // 4 for p in model.parameters())
+        elif mode == "torch_fsdp1":
+            local_numel = _fsdp1_local_numel(model)
         else:
             local_numel = sum(u.shard_numel for m in model.modules()
                               if (s := m.__dict__.get("_pydist_fsdp_state")) and (u := s.param_group))
@@ -141,42 +207,54 @@ def _time_rank(rank, world_size, model_name, rounds, steps):
     return {"times": times, "memory": memory, "psi": psi, "pydist_exposed_ms": exposed}
 
 
-def _rss_rank(rank, world_size, model_name, mode, steps):
-    x = torch.randn(BATCH, MODELS[model_name][1], generator=torch.Generator().manual_seed(rank))
-    model, opt = _build(mode, model_name, world_size)
+def _rss_rank(rank, world_size, model_key, mode, steps):
+    x = _input(model_key, rank)
+    model, opt = _build(mode, model_key, world_size)
     fn = _step_fn(model, opt, x)
     for _ in range(steps + 2):
         fn()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(model_name: str, world_size: int, rounds: int, steps: int) -> dict:
-    per_rank = run_ranks(_time_rank, world_size, args=(model_name, rounds, steps), timeout=300)
+def run(model_key: str, world_size: int, rounds: int, steps: int) -> dict:
+    per_rank = run_ranks(_time_rank, world_size, args=(model_key, rounds, steps), timeout=600)
     slower = {m: [max(r["times"][m][i] for r in per_rank) for i in range(rounds)] for m in MODES}
-    out = {"model": model_name, "world_size": world_size, "psi": per_rank[0]["psi"]}
+    out = {"model": MODELS[model_key].name, "world_size": world_size, "psi": per_rank[0]["psi"]}
     for m in MODES:
         out[f"{m}_ms"] = statistics.median(slower[m]) * 1e3
         out[f"{m}_persistent_MB"] = max(r["memory"][m]["persistent_bytes"] for r in per_rank) / 2**20
         out[f"{m}_padding_elems"] = max(r["memory"][m]["padding_elems"] for r in per_rank)
-        rss = run_ranks(_rss_rank, world_size, args=(model_name, m, steps), timeout=300)
+        rss = run_ranks(_rss_rank, world_size, args=(model_key, m, steps), timeout=300)
         out[f"{m}_peak_rss_MB"] = max(rss) / 2**20
     out["ideal_persistent_MB"] = 16 * out["psi"] / world_size / 2**20
     out["pydist_exposed_ms"] = max(r["pydist_exposed_ms"] for r in per_rank)
-    for m in MODES[1:]:
+    for m in MODES:
         out[f"{m}_paired"] = statistics.median(p / t for p, t in zip(slower[m], slower["torch"]))
+        out[f"{m}_paired_fsdp1"] = statistics.median(p / t for p, t in zip(slower[m], slower["torch_fsdp1"]))
     return out
+
+
+def _model_keys(text: str) -> list:
+    keys = list(MODELS) if text == "all" else [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in MODELS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(f"unknown model(s) {unknown}: pick from {', '.join(MODELS)}, or all")
+    return keys
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--nprocs", "--world-size", type=int, default=2, dest="nprocs",
+                        help="ranks (2 or 4 here; one process each, sharing the host's cores)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--models", choices=("first", "all"), default="first")
+    parser.add_argument("--models", type=_model_keys, default=DEFAULT_MODELS,
+                        help=f"comma-separated: {', '.join(MODELS)}; or all (default: {DEFAULT_MODELS})")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    names = list(MODELS) if args.models == "all" else list(MODELS)[:1]
-    results = [run(n, args.world_size, args.rounds, args.steps) for n in names]
+    if args.nprocs < 2:
+        parser.error(f"--nprocs {args.nprocs}: sharding needs at least 2 ranks")
+    results = [run(k, args.nprocs, args.rounds, args.steps) for k in args.models]
     if args.json:
         print(json.dumps(results, indent=1))
         return
@@ -184,11 +262,13 @@ def main() -> None:
         print(f"\n{r['model']}  ({r['world_size']} ranks, Psi = {r['psi']:,}; ideal persistent 16 Psi/N = "
               f"{r['ideal_persistent_MB']:.2f} MB; pydist's last step waited {r['pydist_exposed_ms']:.1f} ms "
               "on its collectives)")
-        print(f"{'mode':<10} {'step(ms)':>9} {'vs torch':>9} {'paired':>7} {'persist(MB)':>12} {'padding':>8} {'peakRSS(MB)':>12}")
+        print(f"{'mode':<11} {'step(ms)':>9} {'vs torch':>9} {'paired':>7} {'vs fsdp1':>8} {'persist(MB)':>12} "
+              f"{'padding':>8} {'peakRSS(MB)':>12}")
         for m in MODES:
             ratio = r[f"{m}_ms"] / r["torch_ms"]
             paired = f"{r[m + '_paired']:.2f}" if m != "torch" else "-"
-            print(f"{m:<10} {r[m + '_ms']:>9.1f} {ratio:>9.2f} {paired:>7} {r[m + '_persistent_MB']:>12.2f} "
+            paired1 = f"{r[m + '_paired_fsdp1']:.2f}" if m != "torch_fsdp1" else "-"
+            print(f"{m:<11} {r[m + '_ms']:>9.1f} {ratio:>9.2f} {paired:>7} {paired1:>8} {r[m + '_persistent_MB']:>12.2f} "
                   f"{r[m + '_padding_elems']:>8.0f} {r[m + '_peak_rss_MB']:>12.1f}")
 
 

@@ -24,7 +24,9 @@ them in ``os.environ``). In order, ``main()``:
      broadcasts its bytes; every rank decodes them with
      ``torch.load(weights_only=True)`` and checks that they fit this job
      (snapshots.py);
-  5. ``Trainer.train``: wraps the model in pydist's (or torch's) DDP, runs
+  5. ``Trainer.train``: wraps the model in pydist's (or torch's) DDP, or
+     with ``--fsdp`` shards it with ``pydist.fully_shard`` (each block a unit,
+     then the root; see ``shard_model``), runs
      epochs over a ``DistributedSampler`` (``set_epoch`` every epoch), shows a
      progress bar on rank 0, snapshots every ``--save-every`` epochs and
      after the last; a job restarted by ``torchrun --max-restarts`` resumes
@@ -32,6 +34,19 @@ them in ``os.environ``). In order, ``main()``:
   6. reports samples/s and pydist's record of the last step's overlap; with
      ``--compare-torch``, trains again from the same seed under torch's DDP
      and prints the largest parameter difference between the two.
+
+[Note: the sharded job]
+With ``--fsdp`` each rank keeps 1/N of the parameters, gradients and AdamW
+state. The snapshot's MODEL_STATE is still the full state dict under the
+bare model's keys (``pydist.fsdp.full_state_dict``, gathered by every rank,
+written by rank 0), so it loads into the bare model as a DDP snapshot does;
+OPTIMIZER_STATE is a list, rank r's optimizer state over its own shards, so
+a sharded snapshot resumes at the same world size only (as RNG states and
+sampler shards already require). The optimizer is built after sharding:
+``model.parameters()`` are then the local shards. At two ranks every
+averaged gradient element is ``g_0/2 + g_1/2`` under both wrappers and AdamW
+works element by element, so a sharded job ends bitwise where the DDP job
+(pydist's or torch's) ends.
 
 To make it yours, replace the models and data in datautils.py.
 """
@@ -74,8 +89,8 @@ DEFAULTS = {  # per model: hidden width, depth, dataset size
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="data-parallel training job on pydist (see the module docstring)")
     parser.add_argument("--ddp", choices=("pydist", "torch"), default="pydist", help="which DDP wraps the model")
-    parser.add_argument("--fsdp", action="store_true", help="shard the model with pydist's sharded wrapper "
-                        "(this job does not drive it yet: it exits with an error; see the README)")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with pydist.fully_shard (each block a "
+                        "unit, then the root) instead of wrapping it in DDP")
     parser.add_argument("--backend", default=None,
                         help="torch.distributed backend: gloo, nccl, mpi (default: nccl with CUDA, else gloo)")
     parser.add_argument("--epochs", type=int, default=3, help="total epochs (a resumed job runs the rest)")
@@ -100,10 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="legacy_local_rank",
                         help="set by the legacy `python -m torch.distributed.launch`; pydist reads it itself")
     args = parser.parse_args(argv)
-    if args.fsdp:
-        what = "pydist.fully_shard / pydist.FullyShardedDataParallel"
-        parser.error(f"--fsdp: pydist's sharded wrapper ({what}) is not available yet"
-                     if not hasattr(pydist, "fully_shard") else f"--fsdp: this job does not drive {what} yet")
+    if args.fsdp and args.ddp == "torch":
+        parser.error("--fsdp shards the model with pydist.fully_shard; --ddp torch does not apply to it")
+    if args.fsdp and args.bucket_cap_mb is not None:
+        parser.error("--bucket-cap-mb sizes DDP's buckets; a sharded unit (--fsdp) is reduce-scattered whole")
     for name, value in DEFAULTS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -244,8 +259,24 @@ def inject_fault(where: str, rank: int, count: int) -> None:
 # --- the trainer -------------------------------------------------------------------
 
 
+def shard_model(module: torch.nn.Module) -> torch.nn.Module:
+    """``pydist.fully_shard`` bottom-up: each block its own unit (the MLP's
+    hidden Linears, the transformer's encoder layers), then the root, which
+    keeps what is left (embeddings, norm, head). In place; returns ``module``."""
+    if hasattr(module, "blocks"):
+        blocks = list(module.blocks.layers)
+    else:
+        blocks = [m for m in module.body if isinstance(m, torch.nn.Linear)]
+    for block in blocks:
+        pydist.fully_shard(block)
+    return pydist.fully_shard(module)
+
+
 def wrap_model(module: torch.nn.Module, ddp: str, job: Job, bucket_cap_mb: float | None) -> torch.nn.Module:
+    """``ddp``: "pydist" or "torch" (DDP), or "fsdp" (sharded in place)."""
     device_ids = [job.device.index] if job.device.type == "cuda" else None
+    if ddp == "fsdp":
+        return shard_model(module)
     if ddp == "pydist":
         return pydist.DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     return TorchDDP(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
@@ -261,16 +292,18 @@ def progress_bar(loader: DataLoader, job: Job, description: str):
 class Trainer:
     """The tutorial's Trainer (``_run_batch``, ``_run_epoch``, snapshots with
     ``MODEL_STATE`` and ``EPOCHS_RUN``), wrapping its model in pydist's DDP
-    (or torch's: ``ddp="torch"``)."""
+    (or torch's: ``ddp="torch"``), or sharding it (``ddp="fsdp"``: see
+    [Note: the sharded job]). ``make_optimizer`` builds the optimizer over
+    the parameters once the model is wrapped."""
 
-    def __init__(self, model: torch.nn.Module, train_data: DataLoader, optimizer: torch.optim.Optimizer, job: Job,
+    def __init__(self, model: torch.nn.Module, train_data: DataLoader, make_optimizer, job: Job,
                  job_record: dict, *, ddp: str = "pydist", amp: bool = False, snapshot_path: Path | None = None,
                  save_every: int = 1, bucket_cap_mb: float | None = None):
         self.job = job
         self.device = job.device
-        self.module = model.to(job.device)  # the bare model: what snapshots hold
+        self.module = model.to(job.device)  # the bare model (sharded in place under fsdp): what snapshots hold
+        self.sharded = ddp == "fsdp"
         self.train_data = train_data
-        self.optimizer = optimizer
         self.job_record = job_record  # the snapshot's JOB entry: what a resuming job must match
         self.snapshot_path = snapshot_path
         self.save_every = save_every
@@ -285,21 +318,33 @@ class Trainer:
         self.train_seconds = 0.0  # time in epochs, snapshots excluded
         self.epoch_losses: list[float] = []  # global mean loss of each epoch this process ran
         self._rng_to_restore = None  # this rank's RNG state from the snapshot, applied as train() starts
-        if snapshot_path is not None:
-            snapshot = read_snapshot(snapshot_path, job)
-            if snapshot is not None:
-                self._load_snapshot(snapshot)
+        snapshot = read_snapshot(snapshot_path, job) if snapshot_path is not None else None
+        if snapshot is not None:
+            self._check_snapshot(snapshot)
+            self.module.load_state_dict(snapshot["MODEL_STATE"])  # the full weights, into the bare model
         self.model = wrap_model(self.module, ddp, job, bucket_cap_mb)
+        self.optimizer = make_optimizer(self.model.parameters())  # under fsdp: the local shards
+        if snapshot is not None:
+            self._load_snapshot(snapshot)
 
-    def _load_snapshot(self, snapshot: dict) -> None:
+    def _check_snapshot(self, snapshot: dict) -> None:
         for warning in check_fits(snapshot, self.snapshot_path, self.job_record, self.module):
             if self.job.rank == 0:
                 log.warning(warning)
         if snapshot["SAMPLER"]["batches_done"] != 0:
             raise SnapshotMismatch(f"snapshot {self.snapshot_path} was taken mid-epoch; this job resumes only "
                                    f"from epoch ends")
-        self.module.load_state_dict(snapshot["MODEL_STATE"])
-        self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+        theirs = snapshot["JOB"].get("fsdp", False)
+        if theirs != self.sharded:
+            raise SnapshotMismatch(
+                f"snapshot {self.snapshot_path} was written by a {'sharded (--fsdp)' if theirs else 'DDP'} job, "
+                f"this job is {'sharded (--fsdp)' if self.sharded else 'DDP'}: their optimizer states are laid out "
+                f"differently. Start afresh from its weights (MODEL_STATE) under another --snapshot path")
+
+    def _load_snapshot(self, snapshot: dict) -> None:
+        """The rest of the snapshot, once the optimizer exists (see [Note: the sharded job])."""
+        optimizer_state = snapshot["OPTIMIZER_STATE"]
+        self.optimizer.load_state_dict(optimizer_state[self.job.rank] if self.sharded else optimizer_state)
         if self.scaler is not None and snapshot["SCALER_STATE"] is not None:
             self.scaler.load_state_dict(snapshot["SCALER_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]
@@ -310,14 +355,19 @@ class Trainer:
 
     def _save_snapshot(self) -> None:
         rng_states = all_gather_objects(capture_rng_state(self.device), self.job)  # every rank takes part
+        if self.sharded:  # collectives too: see [Note: the sharded job]
+            model_state = pydist.fsdp.full_state_dict(self.module)
+            optimizer_state = all_gather_objects(self.optimizer.state_dict(), self.job)
+        else:
+            model_state, optimizer_state = self.module.state_dict(), self.optimizer.state_dict()
         if self.job.rank != 0:
             return
         sampler = self.train_data.sampler
         snapshot = {
-            "MODEL_STATE": self.module.state_dict(),
+            "MODEL_STATE": model_state,
             "EPOCHS_RUN": self.epochs_run,
             "STEPS_RUN": self.steps_run,
-            "OPTIMIZER_STATE": self.optimizer.state_dict(),
+            "OPTIMIZER_STATE": optimizer_state,
             "SCALER_STATE": self.scaler.state_dict() if self.scaler is not None else None,
             "RNG_STATES": rng_states,
             "SAMPLER": {"epoch": self.epochs_run, "batches_done": 0, "seed": sampler.seed,
@@ -399,11 +449,13 @@ def run_training(args: argparse.Namespace, job: Job, dataset: TensorDataset, ddp
     config = model_config(args)
     seed_everything(args.seed)  # the same initial parameters on every rank
     model = build_model(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     seed_everything(args.seed + job.rank)  # this rank's own dropout masks
     job_record = {"model": config.as_dict(), "world_size": job.world_size, "seed": args.seed,
                   "batch_size": args.batch_size, "samples": args.samples, "amp": args.amp}
-    trainer = Trainer(model, prepare_dataloader(dataset, args.batch_size, job, args.seed), optimizer, job, job_record,
+    if ddp == "fsdp":
+        job_record["fsdp"] = True
+    trainer = Trainer(model, prepare_dataloader(dataset, args.batch_size, job, args.seed),
+                      lambda params: torch.optim.AdamW(params, lr=args.lr), job, job_record,
                       ddp=ddp, amp=args.amp, snapshot_path=snapshot_path, save_every=args.save_every,
                       bucket_cap_mb=args.bucket_cap_mb)
     trainer.train(args.epochs)
@@ -420,7 +472,23 @@ def report_throughput(trainer: Trainer, label: str, job: Job) -> float:
     return rate
 
 
+def report_sharded_overlap(trainer: Trainer, job: Job) -> None:
+    """Per unit, rank 0's last step: its collectives and how long the compute thread waited for them."""
+    record = pydist.fsdp.last_iteration_record(trainer.module)
+    units: dict[str, list] = {}
+    for r in record.collectives:
+        units.setdefault(r.unit or "(root)", []).append(r)
+    say(job, "\nrank 0, last step, per sharded unit (all-gathers / reduce-scatters, ms the compute thread waited):")
+    for unit, records in units.items():
+        gathers = sum(r.kind == "all_gather" for r in records)
+        exposed = sum(r.exposed_ns for r in records) / 1e6
+        say(job, f"  {unit:<24} {gathers} / {len(records) - gathers}  exposed {exposed:.3f} ms")
+
+
 def report_overlap(trainer: Trainer, job: Job) -> None:
+    if trainer.sharded:
+        report_sharded_overlap(trainer, job)
+        return
     record = trainer.model.last_iteration_record() if hasattr(trainer.model, "last_iteration_record") else None
     if record is None:
         return
@@ -440,12 +508,13 @@ def compare_with_torch(args: argparse.Namespace, job: Job, dataset: TensorDatase
     first = args.epochs - len(ours.epoch_losses)
     for i, loss in enumerate(ours.epoch_losses):
         say(job, f"{first + i + 1:>5} {loss:>12.6f} {theirs.epoch_losses[first + i]:>12.6f}")
-    pairs = zip(ours.module.parameters(), theirs.module.parameters())
+    full = pydist.fsdp.full_state_dict(ours.module) if ours.sharded else dict(ours.module.named_parameters())
+    pairs = [(full[name], p) for name, p in theirs.module.named_parameters()]
     difference = max_over_ranks(torch.stack([(a - b).abs().max() for a, b in pairs]).max(), job)
-    spreads = replica_spread(ours.module, job), replica_spread(theirs.module, job)
+    ours_spread = "sharded" if ours.sharded else f"{replica_spread(ours.module, job):.3g}"
     say(job, f"\nmax |pydist - torch| over all parameters after {ours.steps_run} steps, on any rank: {difference:.3g}")
-    say(job, f"max difference between replicas (rank 0 vs the others): pydist {spreads[0]:.3g}, "
-             f"torch {spreads[1]:.3g}")
+    say(job, f"max difference between replicas (rank 0 vs the others): pydist {ours_spread}, "
+             f"torch {replica_spread(theirs.module, job):.3g}")
     if their_rate:
         say(job, f"samples/s, pydist / torch: {our_rate / their_rate:.2f} (one short run; "
                  f"benchmarks/bench_ddp.py measures)")
@@ -455,13 +524,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     job = join_job(args)
     setup_logging(job.rank)
-    say(job, f"training {args.model} with {args.ddp} DDP on {job.world_size} ranks ({job.backend} on {job.device}, "
+    wrapper = "fsdp" if args.fsdp else args.ddp
+    label = "pydist FSDP (fully_shard per block)" if args.fsdp else f"{args.ddp} DDP"
+    say(job, f"training {args.model} with {label} on {job.world_size} ranks ({job.backend} on {job.device}, "
              f"launched by {job.launcher}), {count(args.epochs, 'epoch')} of {args.samples} samples, "
              f"batch {args.batch_size} per rank{', amp' if args.amp else ''}")
     try:
         dataset = share_dataset(args, job)
-        trainer = run_training(args, job, dataset, args.ddp, args.snapshot)
-        rate = report_throughput(trainer, f"{args.ddp} DDP", job)
+        trainer = run_training(args, job, dataset, wrapper, args.snapshot)
+        rate = report_throughput(trainer, "pydist FSDP" if args.fsdp else f"{args.ddp} DDP", job)
         report_overlap(trainer, job)
         if args.compare_torch:
             compare_with_torch(args, job, dataset, trainer, rate)

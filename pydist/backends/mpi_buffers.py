@@ -1,8 +1,11 @@
 """How a tensor becomes an MPI message, and the reduce-op table.
 
 [Note: zero copy, CUDA-aware, or staged]
-* CPU tensor, dtype MPI can reduce: ``tensor.numpy()`` is a view of the same
-  memory, handed to mpi4py through the buffer protocol. No copy.
+* CPU tensor, dtype MPI can reduce: a numpy array over the same memory,
+  handed to mpi4py through the buffer protocol. No copy. Built from the
+  address (``MPI.buffer.fromaddress``), not by ``tensor.numpy()``, which marks
+  the storage non-resizable for good: pydist's FSDP gives an unsharded
+  buffer's memory back between all-gathers with ``untyped_storage().resize_(0)``.
 * CPU float16 / bfloat16: MPI has no standard datatype that reduces them. Ops
   that only move bytes (broadcast, all-gather) send their bytes as-is; the
   reductions run on a float32 copy, converted back after (exact for values a
@@ -112,11 +115,25 @@ class Message:
         t = self.staged.reshape(-1)
         if self.reduce:
             dtype = mpi_datatype(t.dtype, where)
-            return [t if t.is_cuda else t.numpy(), dtype]
+            return [t if t.is_cuda else self._host_buffer(t), dtype]
         raw = t.view(torch.uint8)  # byte-moving ops send any dtype as bytes
-        return [raw if raw.is_cuda else raw.numpy(), MPI.BYTE]
+        return [raw if raw.is_cuda else self._host_buffer(raw), MPI.BYTE]
+
+    def _host_buffer(self, t: torch.Tensor):
+        """A numpy view of a CPU tensor's memory: see [Note: zero copy, CUDA-aware, or staged]."""
+        import numpy as np
+        from mpi4py import MPI
+
+        kind = getattr(MPI, "buffer", None) or MPI.memory  # mpi4py 4 / 3
+        memory = kind.fromaddress(t.data_ptr(), t.numel() * t.element_size(), readonly=self.readonly)
+        return np.frombuffer(memory, dtype=_numpy_dtype(t.dtype))
 
     def finish(self) -> None:
         """Copy the result back into the caller's tensor when MPI worked on a copy."""
         if self.copied and not self.readonly:
             self.tensor.copy_(self.staged)
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(dtype: torch.dtype):
+    return torch.empty(0, dtype=dtype).numpy().dtype

@@ -38,6 +38,32 @@ The settings live on each pydist wrapper in ``module``; LOCAL_STATE_DICT
 ``optim_state_dict_to_load`` follow the same settings: full tensors keyed
 by parameter name (``pydist.fsdp.full_optimizer_state_dict``), or the
 ShardedTensors of ``pydist.fsdp.get_optimizer_state_dict`` for DCP.
+
+[Note: FSDP1's mixed precision]
+``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype, ...)`` becomes one
+``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` per unit, so the casts
+are those of [Note: mixed precision] (pydist/fsdp/_fsdp_param_group.py):
+the fp32 shard is cast to ``param_dtype`` and all-gathered, forward and
+backward run in it, gradients are cast to ``reduce_dtype`` and
+reduce-scattered, and the reduced shard is cast back for ``.grad``. FSDP1
+casts in the same places (its ``_mp_shard``, then ``flat_param.grad.to(
+_reduce_dtype)`` before the reduce-scatter), with the same default
+(``reduce_dtype=None`` reduces in ``param_dtype``), and divides by 2 before
+the sum at two ranks (its predivide factor), exactly as ``g / N`` does: the
+results are bitwise FSDP1's at two ranks. The rest of ``MixedPrecision``:
+  cast_root_forward_inputs -> the root unit's ``cast_forward_inputs``
+  cast_forward_inputs      -> every unit's
+  buffer_dtype             -> floating buffers cast once, here (FSDP1 casts
+                              them at the root's first forward);
+                              ``_buffer_orig_dtypes`` keeps what they were
+  keep_low_precision_grads=True, and ``_module_classes_to_ignore`` modules
+  (BatchNorm: FSDP1 gives them their own full-precision units) under an
+  ``auto_wrap_policy``, raise ``NotImplementedError``.
+One difference: under ``no_sync()`` FSDP1 accumulates the unsharded
+gradients in ``param_dtype`` (bf16 += bf16, autograd's own accumulation),
+while the engine, as FSDP2, accumulates them in ``reduce_dtype`` (fp32 +=
+bf16), so accumulated steps differ from FSDP1's by bf16 rounding of the
+running sum (and are FSDP2's bit for bit).
 """
 
 from __future__ import annotations
@@ -88,7 +114,6 @@ class FullyShardedDataParallel(nn.Module):
         _refuse(strategy not in _RESHARD_AFTER_FORWARD, f"sharding_strategy={strategy}")
         _refuse(isinstance(process_group, tuple), "a (shard, replicate) process_group pair (HSDP)")
         _refuse(cpu_offload is not None and cpu_offload.offload_params, "cpu_offload=CPUOffload(offload_params=True)")
-        _refuse(mixed_precision is not None and mixed_precision != MixedPrecision(), f"mixed_precision={mixed_precision}")
         _refuse(ignored_modules, "ignored_modules")
         _refuse(ignored_states, "ignored_states")
         _refuse(param_init_fn is not None, "param_init_fn")
@@ -103,15 +128,20 @@ class FullyShardedDataParallel(nn.Module):
         group = group if group is not None else dist.group.WORLD
         if sync_module_states:
             _broadcast_module_states(module, group)
+        unit_policy, root_policy = _mixed_precision_policies(mixed_precision, module, auto_wrap_policy)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
+        self.mixed_precision = mixed_precision
+        # Each floating buffer's dtype before buffer_dtype cast it (see [Note:
+        # FSDP1's mixed precision]): what a state dict gives back. Empty without.
+        self._buffer_orig_dtypes = _cast_buffers(module, mixed_precision)
         kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
                       _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group)
         targets = _wrap_targets(module, auto_wrap_policy)
         for m in reversed(list(module.modules())):  # children before their parents
             if m is not module and m in targets:
-                fully_shard(m, **kwargs)
-        fully_shard(module, **kwargs)
+                fully_shard(m, mp_policy=unit_policy, **kwargs)
+        fully_shard(module, mp_policy=root_policy, **kwargs)
         if backward_prefetch is None:
             for m in module.modules():
                 if (s := state_of(m)) is not None:
@@ -277,6 +307,44 @@ def _wrap_targets(root: nn.Module, policy) -> set:
 
     recurse(root)
     return targets
+
+
+def _mixed_precision_policies(mixed_precision: MixedPrecision | None, module: nn.Module, auto_wrap_policy):
+    """(the nested units' MixedPrecisionPolicy, the root's) for FSDP1's
+    ``mixed_precision``: see [Note: FSDP1's mixed precision]. (None, None)
+    without one: the engine's full precision."""
+    if mixed_precision is None:
+        return None, None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    _refuse(mixed_precision.keep_low_precision_grads, "MixedPrecision(keep_low_precision_grads=True)")
+    if auto_wrap_policy is not None and mixed_precision.param_dtype is not None:
+        ignored = tuple(mixed_precision._module_classes_to_ignore)
+        for name, m in module.named_modules():
+            _refuse(ignored and isinstance(m, ignored),
+                    f"mixed_precision with auto_wrap_policy and {type(m).__name__} module {name!r} (FSDP1 gives "
+                    f"_module_classes_to_ignore={ignored} full-precision units of their own)")
+
+    def policy(cast_inputs: bool):
+        return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype,
+                                    output_dtype=None, cast_forward_inputs=cast_inputs)
+
+    cast = mixed_precision.cast_forward_inputs
+    return policy(cast), policy(cast or mixed_precision.cast_root_forward_inputs)
+
+
+def _cast_buffers(module: nn.Module, mixed_precision: MixedPrecision | None) -> dict:
+    """Casts ``module``'s floating buffers to ``mixed_precision.buffer_dtype``
+    in place, as FSDP1's root does; returns {fqn: dtype before} of those cast."""
+    dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
+    if dtype is None:
+        return {}
+    before = {}
+    for fqn, buf in module.named_buffers():
+        if torch.is_floating_point(buf) and buf.dtype != dtype:
+            before[fqn] = buf.dtype
+            buf.data = buf.data.to(dtype)
+    return before
 
 
 def _broadcast_module_states(module: nn.Module, group) -> None:

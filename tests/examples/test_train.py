@@ -244,19 +244,87 @@ def test_transformer_lm_trains(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0], losses
 
 
-def test_fsdp_says_it_is_not_available_yet(capsys):
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory) -> tuple[Path, str]:
+    """The reference run sharded (--fsdp: each hidden Linear a unit, then the
+    root), then again under torch's DDP."""
+    path = tmp_path_factory.mktemp("fsdp_reference") / "snapshot.pt"
+    stdout = ok(torchrun(["--fsdp", "--epochs", 4, "--snapshot", path, "--compare-torch"]))
+    return path, stdout
+
+
+def assert_same_sharded_training(ours: dict, reference: dict) -> None:
+    """assert_same_training for sharded snapshots: OPTIMIZER_STATE is one state per rank."""
+    assert len(ours["OPTIMIZER_STATE"]) == len(reference["OPTIMIZER_STATE"]) == 2
+    for rank in range(2):
+        assert_same_training(dict(ours, OPTIMIZER_STATE=ours["OPTIMIZER_STATE"][rank]),
+                             dict(reference, OPTIMIZER_STATE=reference["OPTIMIZER_STATE"][rank]))
+
+
+def test_fsdp_job_ends_bitwise_where_the_ddp_job_ends(reference, fsdp_reference):
+    """See [Note: the sharded job] in examples/train.py: at two ranks sharding
+    changes no bit of the training, against torch's DDP and pydist's."""
+    path, stdout = fsdp_reference
+    steps = 4 * STEPS_PER_EPOCH
+    assert "with pydist FSDP (fully_shard per block) on 2 ranks" in stdout, stdout
+    assert f"max |pydist - torch| over all parameters after {steps} steps, on any rank: 0\n" in stdout, stdout
+    assert re.search(r"pydist FSDP: 4 epochs on 2 ranks .* samples/s", stdout), stdout
+    for unit in ("(root)", "body.0", "body.3"):  # the units' records of the last step
+        assert re.search(rf"^  {re.escape(unit)} +\d+ / 1  exposed [0-9.]+ ms$", stdout, re.MULTILINE), stdout
+    losses = epoch_losses(stdout)
+    assert len(losses) == 8 and losses[:4] == losses[4:] == epoch_losses(reference[1])[:4], losses
+    ours, ddp = load(path), load(reference[0])
+    assert ours["JOB"]["fsdp"] is True and ours["EPOCHS_RUN"] == 4
+    assert ours["MODEL_STATE"].keys() == ddp["MODEL_STATE"].keys()
+    for name, tensor in ddp["MODEL_STATE"].items():
+        assert torch.equal(ours["MODEL_STATE"][name], tensor), f"{name}: the sharded job's differs from DDP's"
+    build_model(TINY_CONFIG).load_state_dict(ours["MODEL_STATE"])  # the full weights, unwrapped keys
+    for rank in range(2):  # each rank's AdamW state covers its own shards only
+        shard_numel = sum(s["exp_avg"].numel() for s in ours["OPTIMIZER_STATE"][rank]["state"].values())
+        full_numel = sum(t.numel() for t in ddp["MODEL_STATE"].values())
+        assert 0 < shard_numel <= full_numel // 2 + 3, (rank, shard_numel, full_numel)  # + each unit's padding
+    for rank in range(2):
+        assert torch.equal(ours["RNG_STATES"][rank]["torch"], ddp["RNG_STATES"][rank]["torch"]), "dropout masks"
+
+
+def test_fsdp_resume_after_epoch_2_is_bitwise(fsdp_reference, tmp_path):
+    path = tmp_path / "snapshot.pt"
+    ok(torchrun(["--fsdp", "--epochs", 2, "--snapshot", path]))
+    stdout = ok(torchrun(["--fsdp", "--epochs", 4, "--snapshot", path]))
+    assert f"resuming from snapshot {path}: 2 epochs, {2 * STEPS_PER_EPOCH} steps run" in stdout, stdout
+    assert_same_sharded_training(load(path), load(fsdp_reference[0]))
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (pip install mpich)")
+def test_fsdp_job_under_mpiexec_matches_torchrun(fsdp_reference, tmp_path):
+    path = tmp_path / "snapshot.pt"
+    launcher = [shutil.which("mpiexec"), "-n", "2", sys.executable]
+    stdout = ok(run_job(launcher, ["--fsdp", "--epochs", 4, "--snapshot", path]))
+    assert "launched by mpich" in stdout, stdout
+    assert_same_sharded_training(load(path), load(fsdp_reference[0]))
+
+
+def test_fsdp_refuses_a_ddp_snapshot_and_ddp_options(reference, tmp_path, capsys):
     import train
 
-    with pytest.raises(SystemExit) as exit_info:
-        train.parse_args(["--fsdp"])
-    assert exit_info.value.code == 2
-    import pydist
+    for extra in (["--ddp", "torch"], ["--bucket-cap-mb", "1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            train.parse_args(["--fsdp", *extra])
+        assert exit_info.value.code == 2
+        assert f"{extra[0]}" in capsys.readouterr().err
+    path = tmp_path / "snapshot.pt"
+    shutil.copy(reference[0], path)
+    done = torchrun(["--fsdp", "--epochs", 5, "--snapshot", path])
+    assert done.returncode != 0
+    assert "was written by a DDP job, this job is sharded (--fsdp)" in done.stderr, done.stderr
+    assert path.read_bytes() == reference[0].read_bytes()
 
-    what = "pydist.fully_shard / pydist.FullyShardedDataParallel"
-    if hasattr(pydist, "fully_shard"):  # the wrapper exists (branch fsdp); the job does not drive it yet
-        assert f"--fsdp: this job does not drive {what} yet" in capsys.readouterr().err
-    else:
-        assert f"--fsdp: pydist's sharded wrapper ({what}) is not available yet" in capsys.readouterr().err
+
+def test_fsdp_transformer_lm_trains():
+    stdout = ok(torchrun(["--fsdp", "--model", "transformer", "--epochs", 2, "--lr", "3e-3"]))
+    losses = epoch_losses(stdout)
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+    assert re.search(r"^  blocks\.layers\.1 +\d+ / 1", stdout, re.MULTILINE), stdout
 
 
 @pytest.mark.cuda

@@ -102,7 +102,21 @@ class BadPadding(nn.Module):
         return [self.down, self.up]
 
 
-MODELS = {"mlp": MLP, "nested": Nested, "frozen": lambda: Nested(frozen=True), "badpad": BadPadding}
+class Buffered(MLP):
+    """The MLP with a floating buffer in its forward (FSDP1's ``buffer_dtype``
+    casts it) and an integer one (no dtype touches it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 32))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)) * self.scale)))
+
+
+MODELS = {"mlp": MLP, "nested": Nested, "frozen": lambda: Nested(frozen=True), "badpad": BadPadding,
+          "buffered": Buffered}
 
 
 # --------------------------------------------------------------------------
@@ -124,7 +138,9 @@ class Scenario:
     strategy: str = "FULL_SHARD"  # FSDP1's sharding_strategy
     shm: bool | None = None  # pydist's transport: True shared memory, False the group
     policy: str = "module"  # FSDP1's auto_wrap_policy: "module" (ModuleWrapPolicy) or "size" (size_based, 500)
-    mixed: bool = False  # fsdp2: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every unit
+    mixed: bool = False  # bf16 parameters, fp32 reduction: fsdp2 MixedPrecisionPolicy on every unit, fsdp1 MixedPrecision
+    reduce_dtype: str | None = "float32"  # under ``mixed``: None leaves each API's default (see [Note: FSDP1's mixed precision])
+    buffer_dtype: str | None = None  # fsdp1 under ``mixed``: MixedPrecision's buffer_dtype
     prefetch: bool = False  # explicit set_modules_to_forward/backward_prefetch (fsdp2, both impls)
 
 
@@ -148,14 +164,18 @@ def make_optimizer(name: str, params):
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int):
-    """Returns (the module to call, a function setting gradient sync, the clip function, full params)."""
+def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group=None):
+    """The wrapped ``model``: torch's on ``torch_group`` (None: the default
+    group), pydist's on the default group."""
     if sc.api == "fsdp2":
         if impl == "torch":
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world_size,))
+            if torch_group is None:
+                mesh = init_device_mesh("cpu", (world_size,))
+            else:
+                mesh = DeviceMesh.from_group(torch_group, "cpu")
             kwargs = dict(mesh=mesh)
         else:
             from pydist import fully_shard
@@ -164,7 +184,7 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int):
         if sc.mixed:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_dtype(sc.reduce_dtype))
         for m in model.units():
             fully_shard(m, reshard_after_forward=sc.reshard_after_forward, **kwargs)
         fully_shard(model, reshard_after_forward=sc.reshard_after_forward, **kwargs)
@@ -187,16 +207,25 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int):
         policy = ModuleWrapPolicy({nn.Linear})
     else:
         policy = ModuleWrapPolicy({type(m) for m in model.units()})
+    kwargs = dict(auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+    if sc.mixed:
+        from torch.distributed.fsdp import MixedPrecision
+
+        kwargs["mixed_precision"] = MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=_dtype(sc.reduce_dtype), buffer_dtype=_dtype(sc.buffer_dtype))
     if impl == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-        return FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[sc.strategy], auto_wrap_policy=policy,
-                                        device_id=torch.device("cpu"), use_orig_params=True)
+        return FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[sc.strategy],
+                                        process_group=torch_group, **kwargs)
     import pydist
 
-    return pydist.FullyShardedDataParallel(model, sharding_strategy=pydist.ShardingStrategy[sc.strategy],
-                                           auto_wrap_policy=policy, device_id=torch.device("cpu"),
-                                           use_orig_params=True, shm=sc.shm)
+    return pydist.FullyShardedDataParallel(model, sharding_strategy=pydist.ShardingStrategy[sc.strategy], shm=sc.shm,
+                                           **kwargs)
+
+
+def _dtype(name: str | None):
+    return getattr(torch, name) if name is not None else None
 
 
 def _sync_context(impl: str, sc: Scenario, model, sync: bool):
@@ -230,9 +259,9 @@ def _full_params(impl: str, sc: Scenario, model) -> dict:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
+def train(rank: int, world_size: int, sc: Scenario, impl: str, torch_group=None) -> RunResult:
     torch.manual_seed(sc.seed)
-    model = wrap(impl, sc, MODELS[sc.model](), world_size)
+    model = wrap(impl, sc, MODELS[sc.model](), world_size, torch_group)
     opt = make_optimizer(sc.optimizer, [p for p in model.parameters() if p.requires_grad])
     losses, norms = [], []
     for step in range(sc.steps):
@@ -255,24 +284,26 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
     return RunResult(losses, norms, _full_params(impl, sc, model), transport)
 
 
-def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist")) -> list:
+def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist"), torch_group=None) -> list:
     """Rank entry point: ``[{impl: RunResult}]`` per scenario (pydist.spawn
-    pickles it by value: no tensor shares memory with the rank)."""
+    pickles it by value: no tensor shares memory with the rank). torch's
+    wrapper runs on ``torch_group`` (tests/mpi: gloo beside pydist's mpi4py
+    default group)."""
     out = []
     for sc in scenarios:
         per_impl = {}
         for impl in impls:
             dist.barrier()
-            per_impl[impl] = train(rank, world_size, sc, impl)
+            per_impl[impl] = train(rank, world_size, sc, impl, torch_group)
         out.append(per_impl)
     return out
 
 
-def run_parity(scenarios, world_size: int, timeout: float = 100.0):
+def run_parity(scenarios, world_size: int, timeout: float = 100.0, impls=("torch", "pydist")):
     """Spawns the ranks; returns ``results[rank][scenario_index][impl]``."""
     from pydist.spawn import run_ranks
 
-    return run_ranks(run_scenarios, world_size, args=(list(scenarios),), timeout=timeout)
+    return run_ranks(run_scenarios, world_size, args=(list(scenarios), tuple(impls)), timeout=timeout)
 
 
 # --------------------------------------------------------------------------
@@ -293,8 +324,9 @@ def assert_close(ref, got, exact: bool, what: str, rtol: float = 1e-6, atol: flo
         torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def assert_parity(results, exact: bool, scenarios, transport: str | None = None):
-    for rank, per_rank in enumerate(results):
+def assert_parity(results, exact: bool, scenarios, transport: str | None = None, first_rank: int = 0):
+    """``results[i]`` is rank ``first_rank + i``'s (tests/mpi: each rank checks its own)."""
+    for rank, per_rank in enumerate(results, first_rank):
         for i, (sc, per_impl) in enumerate(zip(scenarios, per_rank)):
             ref, got = per_impl["torch"], per_impl["pydist"]
             where = f"rank {rank} scenario {i} ({sc})"
