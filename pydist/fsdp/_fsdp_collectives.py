@@ -5,8 +5,10 @@ csrc/transport/transport.h).
 
     transport = open_transport(group, shm=None)          # collective, once per root
     fut = all_gather_unit(transport, shard, unsharded)   # unshard one unit
+    fut = all_gather_units(transport, shards, outputs)   # unshard several as one collective
     rs = reduce_scatter_grads(transport, layout, grads, scale)   # post-backward
     rs.future.wait(); rs.output                          # this rank's summed shard
+    rss = reduce_scatter_units(transport, packed, shard_numels)  # several units as one collective
 
 [Note: which transport carries a sharded unit]
 On CPU, gloo runs each collective on the calling thread's behalf but inside
@@ -42,8 +44,11 @@ from pydist import transport as pydist_transport
 __all__ = [
     "open_transport",
     "all_gather_unit",
+    "all_gather_units",
     "pack_grads",
+    "pack_unit_grads",
     "reduce_scatter_grads",
+    "reduce_scatter_units",
     "all_reduce_grads",
     "ReduceScatterResult",
 ]
@@ -89,6 +94,76 @@ class UnshardResult(NamedTuple):
         return completed
 
 
+# [Note: batched collectives]
+# A rendezvous of the ranks costs about the same whatever it carries, so a
+# model of many small units (400 x Linear(64)+LayerNorm: 17 KB each) spends
+# its step meeting, not moving bytes, if every unit all-gathers and
+# reduce-scatters on its own (1,200 collectives a step). The root therefore
+# hands several consecutive units to the transport as one collective (how
+# many: the root's batch_bytes; see [Note: gather and reduce plans] in
+# _fsdp_state.py). The transport's collectives are over one contiguous
+# per-rank shard, and the units' shards are separate buffers, so:
+#   all-gather       the units' shards are concatenated (one copy), gathered
+#                    into rank-major [rank 0: s_a s_b ..., rank 1: s_a s_b ...],
+#                    and rank q's part of each unit copied into its unsharded
+#                    buffer at [q * s_u, (q + 1) * s_u) (one fused copy per rank);
+#   reduce-scatter   each unit's gradients are packed into its own padded flat
+#                    as for a lone unit, and rank q's shard of every unit
+#                    copied into the rank-major input (one fused copy per
+#                    rank); this rank's output is then [s_a s_b ...], the
+#                    units' reduced shards end to end, each unit's a view.
+# Every element goes through the same arithmetic as unbatched (the sum of
+# g_r / N, term by term), so the results are bitwise those of one collective
+# per unit, which are torch FSDP2's at two ranks. A batch of one unit takes
+# the unbatched path (no extra copy).
+
+
+class UnitsGather:
+    """Several units' all-gather in flight as one collective. ``wait()``
+    (idempotent: every unit of the batch calls it) copies each rank's part
+    into the units' unsharded buffers. See [Note: batched collectives]."""
+
+    def __init__(self, future, gathered: torch.Tensor, outputs: tuple, shard_numels: list[int]):
+        self.future = future  # pydist.transport.TransportFuture
+        self.gathered = gathered  # the rank-major output; alive until the copy out
+        self.outputs = outputs  # the units' unsharded buffers
+        self.shard_numels = shard_numels
+        self.inputs_alive = None  # the concatenated shards: alive until the transport is done
+        self.completed: int | None = None
+
+    def wait(self) -> int:
+        if self.completed is None:
+            completed = self.future.wait()
+            # The buffers' autograd-saved views hold the same values as in
+            # forward: put the version counters back (see all_gather_unit).
+            preserve = torch.autograd._unsafe_preserve_version_counter(self.outputs)
+            length = sum(self.shard_numels)
+            for q in range(self.gathered.numel() // length):
+                ops.unflatten_into(
+                    self.gathered.narrow(0, q * length, length),
+                    [out.narrow(0, q * n, n) for out, n in zip(self.outputs, self.shard_numels)],
+                )
+            preserve.__exit__(None, None, None)
+            self.completed = completed
+            self.gathered = self.outputs = self.inputs_alive = None
+        return self.completed
+
+
+def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                     dtype: torch.dtype) -> UnitsGather:
+    """Starts gathering several units' shards (``shards[i]`` into ``outputs[i]``,
+    rank order, cast to ``dtype`` on the way) as one collective. ``wait()``
+    before reading any output. See [Note: batched collectives]."""
+    shard_numels = [s.numel() for s in shards]
+    joined = torch.cat(list(shards))
+    if joined.dtype != dtype:
+        joined = joined.to(dtype)
+    gathered = torch.empty(joined.numel() * transport.world_size, dtype=dtype)
+    result = UnitsGather(transport.all_gather(joined, gathered), gathered, tuple(outputs), shard_numels)
+    result.inputs_alive = joined
+    return result
+
+
 class Segment(NamedTuple):
     """A run of the unit's flat layout: ``grads`` (None: zeros) packed at ``offset``."""
 
@@ -121,24 +196,53 @@ class ReduceScatterResult(NamedTuple):
     output: torch.Tensor  # this rank's shard of the averaged gradients once it has
 
 
+def pack_unit_grads(transport, segments: Sequence[Segment], padded_numel: int, dtype) -> torch.Tensor:
+    """The unit's reduce-scatter input: its gradients packed into its padded
+    flat layout, with the part of 1/N the transport does not apply itself
+    (see [Note: where the 1/N goes])."""
+    rs_input = torch.empty(padded_numel, dtype=dtype)
+    pack_grads(segments, rs_input, 1.0 if transport.applies_scale else 1.0 / transport.world_size)
+    return rs_input
+
+
+def _transport_scale(transport) -> float:
+    """The scale handed to the transport: 1/N where it applies it, else 1 (the packing did)."""
+    return 1.0 / transport.world_size if transport.applies_scale else 1.0
+
+
 def reduce_scatter_grads(transport, segments: Sequence[Segment], padded_numel: int, shard_numel: int, dtype) -> ReduceScatterResult:
     """Packs the unit's gradients and starts reducing them, averaged over the
     ranks, into this rank's shard. See [Note: where the 1/N goes]."""
-    scale = 1.0 / transport.world_size
-    rs_input = torch.empty(padded_numel, dtype=dtype)
-    pack_grads(segments, rs_input, 1.0 if transport.applies_scale else scale)
+    rs_input = pack_unit_grads(transport, segments, padded_numel, dtype)
     rs_output = torch.empty(shard_numel, dtype=dtype)
-    future = transport.reduce_scatter(rs_input, rs_output, scale if transport.applies_scale else 1.0)
+    future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
     return ReduceScatterResult(future, rs_input, rs_output)
+
+
+def reduce_scatter_units(transport, packed: Sequence[torch.Tensor], shard_numels: Sequence[int]) -> list[ReduceScatterResult]:
+    """Starts reducing several units' packed gradients (``pack_unit_grads``)
+    as one collective; one result per unit, its ``output`` a view of the
+    batch's output. See [Note: batched collectives]."""
+    length = sum(shard_numels)
+    world_size = transport.world_size
+    rs_input = torch.empty(length * world_size, dtype=packed[0].dtype)
+    for q in range(world_size):
+        ops.flatten([p.narrow(0, q * n, n) for p, n in zip(packed, shard_numels)],
+                    out=rs_input.narrow(0, q * length, length))
+    rs_output = torch.empty(length, dtype=packed[0].dtype)
+    future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
+    results, offset = [], 0
+    for n in shard_numels:
+        results.append(ReduceScatterResult(future, rs_input, rs_output.narrow(0, offset, n)))
+        offset += n
+    return results
 
 
 def all_reduce_grads(transport, segments: Sequence[Segment], numel: int, dtype) -> ReduceScatterResult:
     """NO_SHARD: packs the unit's gradients and starts averaging them in place
     over the ranks; ``output`` is the whole averaged flat."""
-    scale = 1.0 / transport.world_size
-    flat = torch.empty(numel, dtype=dtype)
-    pack_grads(segments, flat, 1.0 if transport.applies_scale else scale)
-    future = transport.all_reduce(flat, scale if transport.applies_scale else 1.0)
+    flat = pack_unit_grads(transport, segments, numel, dtype)
+    future = transport.all_reduce(flat, _transport_scale(transport))
     return ReduceScatterResult(future, flat, flat)
 
 

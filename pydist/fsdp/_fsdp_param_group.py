@@ -49,7 +49,7 @@ import torch.nn as nn
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 
-__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord"]
+__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units"]
 
 
 class CollectiveRecord(NamedTuple):
@@ -180,6 +180,14 @@ class FSDPParamGroup:
         # and when it was started.
         self._reduce: collectives.ReduceScatterResult | None = None
         self._reduce_issued = 0
+        # Set by the root's reduce plan for this backward: the units whose
+        # gradients go as one reduce-scatter with this one's (None: alone).
+        # See [Note: batched collectives] in _fsdp_collectives.py.
+        self.grad_batch: GradBatch | None = None
+        # Gathered ahead by the root's plan and not yet used: the root
+        # reshards it if its forward does not come (see [Note: gather and
+        # reduce plans] in _fsdp_state.py).
+        self.gathered_ahead = False
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
 
@@ -187,12 +195,20 @@ class FSDPParamGroup:
         """Starts the all-gather of the unit's parameters (no-op unless SHARDED)."""
         if self.sharded_state != ShardedState.SHARDED:
             return
-        self._check_transport("unshard")
-        self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
-        self._unshard_issue = (time.monotonic_ns(), phase)
+        self._begin_unshard(phase, time.monotonic_ns())
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
         self._unshard_future = collectives.all_gather_unit(self.transport, shard, self.unsharded)
+
+    def _begin_unshard(self, phase: str, issued_ns: int) -> None:
+        self._check_transport("unshard")
+        self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
+        self._unshard_issue = (issued_ns, phase)
         self.sharded_state = ShardedState.UNSHARDING
+
+    def batches_with(self, other: "FSDPParamGroup") -> bool:
+        """Whether this unit's collectives can share one with ``other``'s."""
+        return (self.sharded and other.sharded and self.transport is other.transport and self.dtype == other.dtype
+                and self.compute_dtype == other.compute_dtype and self.reduce_dtype == other.reduce_dtype)
 
     def _wait_all_gather(self) -> None:
         needed = time.monotonic_ns()
@@ -222,6 +238,7 @@ class FSDPParamGroup:
             fp.to_sharded()
         self.unsharded.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
+        self.gathered_ahead = False
 
     # --- the iteration ---------------------------------------------------------
 
@@ -270,7 +287,10 @@ class FSDPParamGroup:
             self._check_transport("post_backward")
             segments = self._grad_segments()
             self._reduce_issued = time.monotonic_ns()
-            if self.sharded:
+            batch, self.grad_batch = self.grad_batch, None
+            if batch is not None and not batch.launched:
+                batch.add(self, collectives.pack_unit_grads(self.transport, segments, self.padded_numel, self.reduce_dtype))
+            elif self.sharded:
                 self._reduce = collectives.reduce_scatter_grads(
                     self.transport, segments, self.padded_numel, self.shard_numel, self.reduce_dtype
                 )
@@ -313,6 +333,7 @@ class FSDPParamGroup:
         """Waits for the reduce-scatter and hands each shard its ``.grad`` (a
         view of the reduced shard; added to a ``.grad`` the user kept)."""
         reduce, self._reduce = self._reduce, None
+        self.grad_batch = None
         if reduce is not None:
             needed = time.monotonic_ns()
             completed = reduce.future.wait()
@@ -350,3 +371,54 @@ class FSDPParamGroup:
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({self.label!r}, {len(self.fsdp_params)} params, total={self.total_numel}, "
                 f"shard={self.shard_numel}, {self.sharded_state.name}, {self.training_state.name})")
+
+
+def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
+    """Starts the all-gather of the SHARDED units among ``groups`` (which
+    ``batches_with`` one another) as one collective; one unit alone takes
+    ``unshard``. See [Note: batched collectives] in _fsdp_collectives.py."""
+    groups = [g for g in groups if g.sharded_state == ShardedState.SHARDED]
+    if len(groups) <= 1:
+        for g in groups:
+            g.unshard(phase)
+        return
+    issued = time.monotonic_ns()
+    for g in groups:
+        g._begin_unshard(phase, issued)
+    future = collectives.all_gather_units(groups[0].transport, [g.shard for g in groups],
+                                          [g.unsharded for g in groups], groups[0].compute_dtype)
+    for g in groups:
+        g._unshard_future = future
+
+
+class GradBatch:
+    """Units whose gradients are reduce-scattered as one collective, chosen
+    by the root's reduce plan for one backward (see [Note: gather and reduce
+    plans] in _fsdp_state.py). Each member's ``post_backward`` adds its
+    packed gradients; the last one to arrive launches the collective, and
+    every member's ``_reduce`` becomes its view of it. ``launch`` early (the
+    root's final callback, for a batch some member never reached) sends the
+    members that arrived; a later one then goes alone."""
+
+    def __init__(self, members: list[FSDPParamGroup]):
+        self.members = members
+        self.packed: list[tuple[FSDPParamGroup, torch.Tensor]] = []  # (unit, its packed gradients), arrival order
+        self.launched = False
+
+    def add(self, pg: FSDPParamGroup, packed: torch.Tensor) -> None:
+        self.packed.append((pg, packed))
+        if len(self.packed) == len(self.members):
+            self.launch()
+
+    def launch(self) -> None:
+        if self.launched or not self.packed:
+            return
+        self.launched = True
+        units = [pg for pg, _ in self.packed]
+        issued = time.monotonic_ns()
+        results = collectives.reduce_scatter_units(units[0].transport, [p for _, p in self.packed],
+                                                   [pg.shard_numel for pg in units])
+        for pg, result in zip(units, results):
+            pg._reduce = result
+            pg._reduce_issued = issued
+        self.packed = []
