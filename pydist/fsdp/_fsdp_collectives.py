@@ -123,12 +123,12 @@ class UnitsGather:
     (idempotent: every unit of the batch calls it) copies each rank's part
     into the units' unsharded buffers. See [Note: batched collectives]."""
 
-    def __init__(self, future, gathered: torch.Tensor, outputs: tuple, shard_numels: list[int]):
+    def __init__(self, future, joined: torch.Tensor, gathered: torch.Tensor, outputs: tuple, rank_views: list):
         self.future = future  # pydist.transport.TransportFuture
+        self.joined = joined  # the concatenated shards: alive until the transport is done
         self.gathered = gathered  # the rank-major output; alive until the copy out
         self.outputs = outputs  # the units' unsharded buffers
-        self.shard_numels = shard_numels
-        self.inputs_alive = None  # the concatenated shards: alive until the transport is done
+        self.rank_views = rank_views  # per unit, its buffer's part for each rank
         self.completed: int | None = None
 
     def wait(self) -> int:
@@ -137,31 +137,27 @@ class UnitsGather:
             # The buffers' autograd-saved views hold the same values as in
             # forward: put the version counters back (see all_gather_unit).
             preserve = torch.autograd._unsafe_preserve_version_counter(self.outputs)
-            length = sum(self.shard_numels)
-            for q in range(self.gathered.numel() // length):
-                ops.unflatten_into(
-                    self.gathered.narrow(0, q * length, length),
-                    [out.narrow(0, q * n, n) for out, n in zip(self.outputs, self.shard_numels)],
-                )
+            world_size = len(self.rank_views[0])
+            length = self.gathered.numel() // world_size
+            for q in range(world_size):
+                ops.unflatten_into(self.gathered.narrow(0, q * length, length), [views[q] for views in self.rank_views])
             preserve.__exit__(None, None, None)
             self.completed = completed
-            self.gathered = self.outputs = self.inputs_alive = None
+            self.joined = self.gathered = self.outputs = self.rank_views = None
         return self.completed
 
 
 def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                     dtype: torch.dtype) -> UnitsGather:
-    """Starts gathering several units' shards (``shards[i]`` into ``outputs[i]``,
-    rank order, cast to ``dtype`` on the way) as one collective. ``wait()``
-    before reading any output. See [Note: batched collectives]."""
-    shard_numels = [s.numel() for s in shards]
+                     rank_views: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> UnitsGather:
+    """Starts gathering several units' shards as one collective: ``shards[i]``
+    (cast to ``dtype``) of every rank q lands in ``rank_views[i][q]``, a view
+    of ``outputs[i]``. ``wait()`` before reading any output. See [Note:
+    batched collectives]."""
     joined = torch.cat(list(shards))
     if joined.dtype != dtype:
         joined = joined.to(dtype)
     gathered = torch.empty(joined.numel() * transport.world_size, dtype=dtype)
-    result = UnitsGather(transport.all_gather(joined, gathered), gathered, tuple(outputs), shard_numels)
-    result.inputs_alive = joined
-    return result
+    return UnitsGather(transport.all_gather(joined, gathered), joined, gathered, tuple(outputs), list(rank_views))
 
 
 class Segment(NamedTuple):
@@ -223,19 +219,11 @@ def reduce_scatter_units(transport, packed: Sequence[torch.Tensor], shard_numels
     """Starts reducing several units' packed gradients (``pack_unit_grads``)
     as one collective; one result per unit, its ``output`` a view of the
     batch's output. See [Note: batched collectives]."""
-    length = sum(shard_numels)
     world_size = transport.world_size
-    rs_input = torch.empty(length * world_size, dtype=packed[0].dtype)
-    for q in range(world_size):
-        ops.flatten([p.narrow(0, q * n, n) for p, n in zip(packed, shard_numels)],
-                    out=rs_input.narrow(0, q * length, length))
-    rs_output = torch.empty(length, dtype=packed[0].dtype)
+    rs_input = torch.cat([p.view(world_size, -1) for p in packed], dim=1).view(-1)  # rank-major
+    rs_output = torch.empty(sum(shard_numels), dtype=rs_input.dtype)
     future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
-    results, offset = [], 0
-    for n in shard_numels:
-        results.append(ReduceScatterResult(future, rs_input, rs_output.narrow(0, offset, n)))
-        offset += n
-    return results
+    return [ReduceScatterResult(future, rs_input, out) for out in rs_output.split_with_sizes(list(shard_numels))]
 
 
 def all_reduce_grads(transport, segments: Sequence[Segment], numel: int, dtype) -> ReduceScatterResult:

@@ -161,6 +161,34 @@ class FSDPParamGroup:
                 fp.sharded_param._pydist_fsdp_param = fp
         for fp in self.fsdp_params:
             fp.to_sharded()
+        # Where each parameter is registered, as (module._parameters, name,
+        # the tensor to put there): what to_sharded / to_unsharded do for
+        # every parameter, flattened once (the unsharded list once the
+        # unsharded parameters exist).
+        self._sharded_regs = [(i.module._parameters, i.name, fp.sharded_param)
+                              for fp in self.fsdp_params for i in fp.module_infos]
+        self._unsharded_regs: list | None = None
+        # The trainable parameters, and whether every parameter is one (then
+        # the gradients are one run of the flat layout when all are present).
+        self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+        # Each rank's part of the unsharded buffer, [q * shard_numel, ...):
+        # what a batched all-gather copies into. Views, valid across resizes,
+        # made at the first (a view cannot be made while the buffer has no memory).
+        self.rank_views: list[torch.Tensor] | None = None
+        # How the reduced output splits into the parameters' local parts (and
+        # the gaps between and after them), and which part is whose.
+        self._grad_split: list[int] = []
+        cursor = shard_start
+        for fp in self.fsdp_params:
+            if fp.local_start > cursor:
+                self._grad_split.append(fp.local_start - cursor)
+            fp._grad_index = len(self._grad_split)
+            self._grad_split.append(fp.local_numel)
+            cursor = max(cursor, fp.local_end)
+        end = shard_start + (self.shard_numel if sharded else self.padded_numel)
+        if end > cursor:
+            self._grad_split.append(end - cursor)
         # NO_SHARD units are unsharded for good: unshard and reshard do nothing.
         self.sharded_state = ShardedState.SHARDED if sharded else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
@@ -223,9 +251,13 @@ class FSDPParamGroup:
             self.unshard(phase)
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()
-            for fp in self.fsdp_params:
-                fp.init_unsharded_param(self.unsharded)
-                fp.to_unsharded()
+            if self._unsharded_regs is None:
+                for fp in self.fsdp_params:
+                    fp.init_unsharded_param(self.unsharded)
+                self._unsharded_regs = [(i.module._parameters, i.name, fp.unsharded_param)
+                                        for fp in self.fsdp_params for i in fp.module_infos]
+            for params, name, p in self._unsharded_regs:
+                params[name] = p
             self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -234,8 +266,8 @@ class FSDPParamGroup:
             return
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()  # the transport is still writing the buffer
-        for fp in self.fsdp_params:
-            fp.to_sharded()
+        for params, name, p in self._sharded_regs:
+            params[name] = p
         self.unsharded.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
         self.gathered_ahead = False
@@ -277,12 +309,14 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
-        trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        trainable = self._trainable
         if not trainable:
             self._reshard_after_backward()
             return
+        keep = not self.requires_gradient_sync
         for fp in trainable:
-            fp.accumulate_grad(self.reduce_dtype, keep=not self.requires_gradient_sync)
+            if keep or fp.accumulated_grad is not None:
+                fp.accumulate_grad(self.reduce_dtype, keep=keep)
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
             segments = self._grad_segments()
@@ -308,6 +342,10 @@ class FSDPParamGroup:
 
     def _grad_segments(self) -> list:
         """The unit's flat layout as runs of present gradients and gaps."""
+        if self._all_trainable:  # the common case: one run
+            grads = [fp.grad_to_reduce() for fp in self.fsdp_params]
+            if all(g is not None and g.dtype == self.reduce_dtype and g.is_contiguous() for g in grads):
+                return [collectives.Segment(0, self.total_numel, grads)]
         segments: list[collectives.Segment] = []
         run: list[torch.Tensor] = []
         run_start = run_numel = 0
@@ -339,12 +377,11 @@ class FSDPParamGroup:
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self.records.append(CollectiveRecord(self.label, kind, "backward", self._reduce_issued, needed, completed))
-            start = self.rank * self.shard_numel if self.sharded else 0
+            output = reduce.output if reduce.output.dtype == self.dtype else reduce.output.to(self.dtype)
             with torch.no_grad():
-                for fp in self.fsdp_params:
-                    if not fp.requires_grad:
-                        continue
-                    grad = reduce.output.narrow(0, fp.local_start - start, fp.local_numel).to(self.dtype)
+                grads = output.split_with_sizes(self._grad_split)
+                for fp in self._trainable:
+                    grad = grads[fp._grad_index]
                     if not self.sharded:
                         grad = grad.view(fp.shape)
                     if fp.sharded_param.grad is None:
@@ -385,8 +422,10 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
     issued = time.monotonic_ns()
     for g in groups:
         g._begin_unshard(phase, issued)
-    future = collectives.all_gather_units(groups[0].transport, [g.shard for g in groups],
-                                          [g.unsharded for g in groups], groups[0].compute_dtype)
+        if g.rank_views is None:
+            g.rank_views = list(g.unsharded.split(g.shard_numel))
+    future = collectives.all_gather_units(groups[0].transport, [g.shard for g in groups], [g.unsharded for g in groups],
+                                          [g.rank_views for g in groups], groups[0].compute_dtype)
     for g in groups:
         g._unshard_future = future
 
