@@ -174,11 +174,11 @@ def pack_grads(segments: Sequence[Segment], out: torch.Tensor, scale: float) -> 
     elsewhere (frozen or unused parameters, the padding at the end)."""
     end = 0
     for seg in segments:
-        view = out.narrow(0, seg.offset, seg.numel)
+        view = out if seg.numel == out.numel() else out.narrow(0, seg.offset, seg.numel)
         if seg.grads is None:
             view.zero_()
         else:
-            ops.flatten(seg.grads, out=view, scale=scale)
+            torch.ops.pydist.flatten_into(seg.grads, view, float(scale))  # ops.flatten(out=), per unit per step
         end = seg.offset + seg.numel
     if end < out.numel():
         out.narrow(0, end, out.numel() - end).zero_()
@@ -190,6 +190,9 @@ class ReduceScatterResult(NamedTuple):
     future: object  # pydist.transport.TransportFuture
     input: torch.Tensor  # the packed gradients; must live until the future completes
     output: torch.Tensor  # this rank's shard of the averaged gradients once it has
+    # ``output`` split as the unit asked (its parameters' parts), made once
+    # for a whole batch (reduce_scatter_units); None: the unit splits it.
+    pieces: list | None = None
 
 
 def pack_unit_grads(transport, segments: Sequence[Segment], padded_numel: int, dtype) -> torch.Tensor:
@@ -215,15 +218,23 @@ def reduce_scatter_grads(transport, segments: Sequence[Segment], padded_numel: i
     return ReduceScatterResult(future, rs_input, rs_output)
 
 
-def reduce_scatter_units(transport, packed: Sequence[torch.Tensor], shard_numels: Sequence[int]) -> list[ReduceScatterResult]:
+def reduce_scatter_units(transport, packed: Sequence[torch.Tensor], shard_numels: Sequence[int],
+                         splits: Sequence[Sequence[int]]) -> list[ReduceScatterResult]:
     """Starts reducing several units' packed gradients (``pack_unit_grads``)
     as one collective; one result per unit, its ``output`` a view of the
-    batch's output. See [Note: batched collectives]."""
+    batch's output and its ``pieces`` that view split at ``splits[i]`` (one
+    split for the batch). See [Note: batched collectives]."""
     world_size = transport.world_size
     rs_input = torch.cat([p.view(world_size, -1) for p in packed], dim=1).view(-1)  # rank-major
     rs_output = torch.empty(sum(shard_numels), dtype=rs_input.dtype)
     future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
-    return [ReduceScatterResult(future, rs_input, out) for out in rs_output.split_with_sizes(list(shard_numels))]
+    outputs = rs_output.split_with_sizes(list(shard_numels))
+    pieces = rs_output.split_with_sizes([n for split in splits for n in split])
+    results, start = [], 0
+    for output, split in zip(outputs, splits):
+        results.append(ReduceScatterResult(future, rs_input, output, pieces[start:start + len(split)]))
+        start += len(split)
+    return results
 
 
 def all_reduce_grads(transport, segments: Sequence[Segment], numel: int, dtype) -> ReduceScatterResult:

@@ -293,9 +293,11 @@ class FSDPParamGroup:
 
     # [Note: the per-gradient seam]
     # Packing happens per unit, from Python, once all of the unit's gradients
-    # exist (post_backward -> _grad_segments -> pack_grads: one fused C++ copy
-    # per run of gradients, 1/N folded in). The step that moves this into C++
-    # replaces exactly these three: a post-accumulate-grad hook per parameter
+    # exist (post_backward -> _grad_segments -> pack_unit_grads: one fused C++
+    # copy per run of gradients, 1/N folded in); the unit's GradBatch then
+    # launches several units as one collective (see [Note: batched
+    # collectives] in _fsdp_collectives.py). The step that moves this into
+    # C++ replaces exactly these: a post-accumulate-grad hook per parameter
     # that copies each gradient into the reduce-scatter input as it lands and
     # launches the input in chunks as they fill, as csrc/reducer does per
     # bucket. The transport calls, finalize_backward and the records stay.
@@ -377,9 +379,11 @@ class FSDPParamGroup:
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self.records.append(CollectiveRecord(self.label, kind, "backward", self._reduce_issued, needed, completed))
-            output = reduce.output if reduce.output.dtype == self.dtype else reduce.output.to(self.dtype)
+            if reduce.pieces is not None and reduce.output.dtype == self.dtype:
+                grads = reduce.pieces
+            else:
+                grads = reduce.output.to(self.dtype).split_with_sizes(self._grad_split)
             with torch.no_grad():
-                grads = output.split_with_sizes(self._grad_split)
                 for fp in self._trainable:
                     grad = grads[fp._grad_index]
                     if not self.sharded:
@@ -456,7 +460,7 @@ class GradBatch:
         units = [pg for pg, _ in self.packed]
         issued = time.monotonic_ns()
         results = collectives.reduce_scatter_units(units[0].transport, [p for _, p in self.packed],
-                                                   [pg.shard_numel for pg in units])
+                                                   [pg.shard_numel for pg in units], [pg._grad_split for pg in units])
         for pg, result in zip(units, results):
             pg._reduce = result
             pg._reduce_issued = issued
