@@ -25,7 +25,11 @@ re-gathered values, and the version counters are left alone (see
 + 1) cannot be had this way, since a saved view pins its unit's storage
 object; it needs saved-tensor hooks that re-point saved views at whichever
 pool buffer holds the unit in backward. Not done yet: each unit has its own
-storage, holding memory only while unsharded.
+storage, holding memory only while unsharded. What bounds that memory is the
+root's plan (see [Note: gather and reduce plans] in _fsdp_state.py): at most
+the batch being computed and the one gathered ahead, each up to batch_bytes
+(or one unit, when a unit alone is larger), plus, under
+reshard_after_forward=False, what forward left unsharded.
 
 [Note: mixed precision]
 With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the

@@ -3,25 +3,34 @@ does once per iteration.
 
 [Note: the order of an iteration]
     root pre-forward     lazy init on the first call (the root opens the
-                         transport all units share); forget last iteration's order
-    unit pre-forward     unshard + wait; record the unit in the forward order;
-                         start the all-gathers of set_modules_to_forward_prefetch;
+                         transport all units share); last iteration's forward
+                         order becomes this forward's gather plan
+    unit pre-forward     unshard (with the units after it in the plan, one
+                         collective) + wait; when it starts a batch, start the
+                         next batch's all-gather; record the unit in the forward
+                         order; start the all-gathers of set_modules_to_forward_prefetch;
                          wrap the inputs that need grad so the unit learns when
                          its backward is done
     unit post-forward    reshard (reshard_after_forward; never the root, whose
-                         parameters are needed again at once); hook the outputs
-    unit pre-backward    (first gradient reaching an output) queue the root's
-                         final callback once; unshard + wait; start the
-                         all-gather of the next unit in backward order (the one
-                         before it in forward order, or set_modules_to_backward_prefetch)
-                         so it runs while this unit computes
-    unit post-backward   (gradients reach the unit's inputs) pack its gradients,
-                         start the reduce-scatter, reshard
+                         parameters are needed again at once); hook the outputs;
+                         the root reshards what was gathered ahead and not used
+    unit pre-backward    (first gradient reaching an output) the first one:
+                         queue the root's final callback, plan the backward
+                         (gathers and reduce batches, from this forward's order);
+                         unshard (with the units after it in that plan) + wait;
+                         when it starts a batch, start the next batch's all-gather
+                         (and set_modules_to_backward_prefetch's) so it runs
+                         while this unit computes
+    unit post-backward   (gradients reach the unit's inputs) pack its gradients;
+                         start the reduce-scatter (its batch's, once the batch's
+                         last unit is packed); reshard
     final callback       post-backward for the units autograd never told (the
                          root, a first unit whose inputs need no grad), in
-                         reverse forward order; then every unit waits for its
-                         reduce-scatter and hands the shards their .grad, so the
-                         optimizer sees finished gradients when backward() returns
+                         reverse forward order; launch what batches remain; then
+                         every unit waits for its reduce-scatter and hands the
+                         shards their .grad, so the optimizer sees finished
+                         gradients when backward() returns
+See [Note: gather and reduce plans] for the batches.
 Every rank goes through the same steps in the same order for the same
 model, so their collectives match (see [Note: which transport carries a
 sharded unit]).
