@@ -261,3 +261,72 @@ def _check_records(record, batch_bytes):
             assert r.issued_ns >= end
         else:  # launched from inside backward, so it ran while autograd went on
             assert r.issued_ns < end, f"{r.unit} (batch_bytes={batch_bytes}): reduce-scatter launched only after backward"
+
+
+class Skipping(nn.Module):
+    """Four units in a row; ``skip`` leaves one out (the same on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x, skip: int | None = None):
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def _skipped_unit_rank(rank, world_size, batch_bytes):
+    """A unit the plan gathers ahead (last iteration's order) whose forward
+    does not come this time: resharded at the root's post-forward, skipped
+    by backward's reduce batches, and training matches a plain model."""
+    import torch.distributed as dist
+
+    from pydist.fsdp import full_state_dict
+    from pydist.fsdp._fsdp_param_group import ShardedState
+
+    torch.manual_seed(0)
+    plain = Skipping()
+    model = Skipping()
+    model.load_state_dict(plain.state_dict())
+    for layer in model.layers:
+        fully_shard(layer, shm=True)
+    fully_shard(model, shm=True)
+    model.set_collective_batch_bytes(batch_bytes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    after_forward = []
+    for skip in (None, 2, None, 1):
+        x = torch.randint(-2, 3, (4, 8), generator=g).float()
+        out = model(x, skip)
+        unit = model.layers[skip]._pydist_fsdp_state.param_group if skip is not None else None
+        if unit is not None:
+            after_forward.append((unit.sharded_state == ShardedState.SHARDED,
+                                  unit.unsharded.untyped_storage().nbytes(),
+                                  model.layers[skip].weight.dim()))
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        # the oracle: every rank's plain gradients, averaged by hand
+        plain(x, skip).sum().backward()
+        every = [None] * world_size
+        dist.all_gather_object(every, {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                                       for n, p in plain.named_parameters()})
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.grad = sum(e[n] / world_size for e in every)
+        plain_opt.step()
+        plain_opt.zero_grad()
+    got = full_state_dict(model)
+    return {"after_forward": after_forward,
+            "match": {n: torch.equal(p.detach(), got[n]) for n, p in plain.named_parameters()}}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("batch_bytes", [0, 1 << 20], ids=["alone", "batched"])
+def test_unit_gathered_ahead_and_skipped(batch_bytes):
+    for rank, out in enumerate(run_ranks(_skipped_unit_rank, 2, args=(batch_bytes,), timeout=60)):
+        assert out["after_forward"] == [(True, 0, 1), (True, 0, 1)], f"rank {rank}: {out['after_forward']}"
+        assert all(out["match"].values()), f"rank {rank}: {out['match']}"
