@@ -5,8 +5,10 @@ csrc/transport/transport.h).
 
     transport = open_transport(group, shm=None)          # collective, once per root
     fut = all_gather_unit(transport, shard, unsharded)   # unshard one unit
+    fut = all_gather_units(transport, shards, outputs)   # unshard several as one collective
     rs = reduce_scatter_grads(transport, layout, grads, scale)   # post-backward
     rs.future.wait(); rs.output                          # this rank's summed shard
+    rss = reduce_scatter_units(transport, packed, shard_numels)  # several units as one collective
 
 [Note: which transport carries a sharded unit]
 On CPU, gloo runs each collective on the calling thread's behalf but inside
@@ -42,8 +44,11 @@ from pydist import transport as pydist_transport
 __all__ = [
     "open_transport",
     "all_gather_unit",
+    "all_gather_units",
     "pack_grads",
+    "pack_unit_grads",
     "reduce_scatter_grads",
+    "reduce_scatter_units",
     "all_reduce_grads",
     "ReduceScatterResult",
 ]
@@ -87,6 +92,72 @@ class UnshardResult(NamedTuple):
         return completed
 
 
+# [Note: batched collectives]
+# A rendezvous of the ranks costs about the same whatever it carries, so a
+# model of many small units (400 x Linear(64)+LayerNorm: 17 KB each) spends
+# its step meeting, not moving bytes, if every unit all-gathers and
+# reduce-scatters on its own (1,200 collectives a step). The root therefore
+# hands several consecutive units to the transport as one collective (how
+# many: the root's batch_bytes; see [Note: gather and reduce plans] in
+# _fsdp_state.py). The transport's collectives are over one contiguous
+# per-rank shard, and the units' shards are separate buffers, so:
+#   all-gather       the units' shards are concatenated (one copy), gathered
+#                    into rank-major [rank 0: s_a s_b ..., rank 1: s_a s_b ...],
+#                    and rank q's part of each unit copied into its unsharded
+#                    buffer at [q * s_u, (q + 1) * s_u) (one fused copy per rank);
+#   reduce-scatter   each unit's gradients are packed into its own padded flat
+#                    as for a lone unit, and rank q's shard of every unit
+#                    copied into the rank-major input (one fused copy per
+#                    rank); this rank's output is then [s_a s_b ...], the
+#                    units' reduced shards end to end, each unit's a view.
+# Every element goes through the same arithmetic as unbatched (the sum of
+# g_r / N, term by term), so the results are bitwise those of one collective
+# per unit, which are torch FSDP2's at two ranks. A batch of one unit takes
+# the unbatched path (no extra copy).
+
+
+class UnitsGather:
+    """Several units' all-gather in flight as one collective. ``wait()``
+    (idempotent: every unit of the batch calls it) copies each rank's part
+    into the units' unsharded buffers. See [Note: batched collectives]."""
+
+    def __init__(self, future, joined: torch.Tensor, gathered: torch.Tensor, outputs: tuple, rank_views: list):
+        self.future = future  # pydist.transport.TransportFuture
+        self.joined = joined  # the concatenated shards: alive until the transport is done
+        self.gathered = gathered  # the rank-major output; alive until the copy out
+        self.outputs = outputs  # the units' unsharded buffers
+        self.rank_views = rank_views  # per unit, its buffer's part for each rank
+        self.completed: int | None = None
+
+    def wait(self) -> int:
+        if self.completed is None:
+            completed = self.future.wait()
+            # The buffers' autograd-saved views hold the same values as in
+            # forward: put the version counters back (see all_gather_unit).
+            preserve = torch.autograd._unsafe_preserve_version_counter(self.outputs)
+            world_size = len(self.rank_views[0])
+            length = self.gathered.numel() // world_size
+            for q in range(world_size):
+                ops.unflatten_into(self.gathered.narrow(0, q * length, length), [views[q] for views in self.rank_views])
+            preserve.__exit__(None, None, None)
+            self.completed = completed
+            self.joined = self.gathered = self.outputs = self.rank_views = None
+        return self.completed
+
+
+def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                     rank_views: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> UnitsGather:
+    """Starts gathering several units' shards as one collective: ``shards[i]``
+    (cast to ``dtype``) of every rank q lands in ``rank_views[i][q]``, a view
+    of ``outputs[i]``. ``wait()`` before reading any output. See [Note:
+    batched collectives]."""
+    joined = torch.cat(list(shards))
+    if joined.dtype != dtype:
+        joined = joined.to(dtype)
+    gathered = torch.empty(joined.numel() * transport.world_size, dtype=dtype)
+    return UnitsGather(transport.all_gather(joined, gathered), joined, gathered, tuple(outputs), list(rank_views))
+
+
 class Segment(NamedTuple):
     """A run of the unit's flat layout: ``grads`` (None: zeros) packed at ``offset``."""
 
@@ -101,11 +172,11 @@ def pack_grads(segments: Sequence[Segment], out: torch.Tensor, scale: float) -> 
     elsewhere (frozen or unused parameters, the padding at the end)."""
     end = 0
     for seg in segments:
-        view = out.narrow(0, seg.offset, seg.numel)
+        view = out if seg.numel == out.numel() else out.narrow(0, seg.offset, seg.numel)
         if seg.grads is None:
             view.zero_()
         else:
-            ops.flatten(seg.grads, out=view, scale=scale)
+            torch.ops.pydist.flatten_into(seg.grads, view, float(scale))  # ops.flatten(out=), per unit per step
         end = seg.offset + seg.numel
     if end < out.numel():
         out.narrow(0, end, out.numel() - end).zero_()
@@ -117,26 +188,58 @@ class ReduceScatterResult(NamedTuple):
     future: object  # pydist.transport.TransportFuture
     input: torch.Tensor  # the packed gradients; must live until the future completes
     output: torch.Tensor  # this rank's shard of the averaged gradients once it has
+    # ``output`` split as the unit asked (its parameters' parts), made once
+    # for a whole batch (reduce_scatter_units); None: the unit splits it.
+    pieces: list | None = None
+
+
+def pack_unit_grads(transport, segments: Sequence[Segment], padded_numel: int, dtype) -> torch.Tensor:
+    """The unit's reduce-scatter input: its gradients packed into its padded
+    flat layout, with the part of 1/N the transport does not apply itself
+    (see [Note: where the 1/N goes])."""
+    rs_input = torch.empty(padded_numel, dtype=dtype)
+    pack_grads(segments, rs_input, 1.0 if transport.applies_scale else 1.0 / transport.world_size)
+    return rs_input
+
+
+def _transport_scale(transport) -> float:
+    """The scale handed to the transport: 1/N where it applies it, else 1 (the packing did)."""
+    return 1.0 / transport.world_size if transport.applies_scale else 1.0
 
 
 def reduce_scatter_grads(transport, segments: Sequence[Segment], padded_numel: int, shard_numel: int, dtype) -> ReduceScatterResult:
     """Packs the unit's gradients and starts reducing them, averaged over the
     ranks, into this rank's shard. See [Note: where the 1/N goes]."""
-    scale = 1.0 / transport.world_size
-    rs_input = torch.empty(padded_numel, dtype=dtype)
-    pack_grads(segments, rs_input, 1.0 if transport.applies_scale else scale)
+    rs_input = pack_unit_grads(transport, segments, padded_numel, dtype)
     rs_output = torch.empty(shard_numel, dtype=dtype)
-    future = transport.reduce_scatter(rs_input, rs_output, scale if transport.applies_scale else 1.0)
+    future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
     return ReduceScatterResult(future, rs_input, rs_output)
+
+
+def reduce_scatter_units(transport, packed: Sequence[torch.Tensor], shard_numels: Sequence[int],
+                         splits: Sequence[Sequence[int]]) -> list[ReduceScatterResult]:
+    """Starts reducing several units' packed gradients (``pack_unit_grads``)
+    as one collective; one result per unit, its ``output`` a view of the
+    batch's output and its ``pieces`` that view split at ``splits[i]`` (one
+    split for the batch). See [Note: batched collectives]."""
+    world_size = transport.world_size
+    rs_input = torch.cat([p.view(world_size, -1) for p in packed], dim=1).view(-1)  # rank-major
+    rs_output = torch.empty(sum(shard_numels), dtype=rs_input.dtype)
+    future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
+    outputs = rs_output.split_with_sizes(list(shard_numels))
+    pieces = rs_output.split_with_sizes([n for split in splits for n in split])
+    results, start = [], 0
+    for output, split in zip(outputs, splits):
+        results.append(ReduceScatterResult(future, rs_input, output, pieces[start:start + len(split)]))
+        start += len(split)
+    return results
 
 
 def all_reduce_grads(transport, segments: Sequence[Segment], numel: int, dtype) -> ReduceScatterResult:
     """NO_SHARD: packs the unit's gradients and starts averaging them in place
     over the ranks; ``output`` is the whole averaged flat."""
-    scale = 1.0 / transport.world_size
-    flat = torch.empty(numel, dtype=dtype)
-    pack_grads(segments, flat, 1.0 if transport.applies_scale else scale)
-    future = transport.all_reduce(flat, scale if transport.applies_scale else 1.0)
+    flat = pack_unit_grads(transport, segments, numel, dtype)
+    future = transport.all_reduce(flat, _transport_scale(transport))
     return ReduceScatterResult(future, flat, flat)
 
 

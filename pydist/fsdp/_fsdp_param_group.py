@@ -25,7 +25,11 @@ re-gathered values, and the version counters are left alone (see
 + 1) cannot be had this way, since a saved view pins its unit's storage
 object; it needs saved-tensor hooks that re-point saved views at whichever
 pool buffer holds the unit in backward. Not done yet: each unit has its own
-storage, holding memory only while unsharded.
+storage, holding memory only while unsharded. What bounds that memory is the
+root's plan (see [Note: gather and reduce plans] in _fsdp_state.py): at most
+the batch being computed and the one gathered ahead, each up to batch_bytes
+(or one unit, when a unit alone is larger), plus, under
+reshard_after_forward=False, what forward left unsharded.
 
 [Note: mixed precision]
 With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the
@@ -49,7 +53,7 @@ import torch.nn as nn
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 
-__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord"]
+__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units"]
 
 
 class CollectiveRecord(NamedTuple):
@@ -161,6 +165,34 @@ class FSDPParamGroup:
                 fp.sharded_param._pydist_fsdp_param = fp
         for fp in self.fsdp_params:
             fp.to_sharded()
+        # Where each parameter is registered, as (module._parameters, name,
+        # the tensor to put there): what to_sharded / to_unsharded do for
+        # every parameter, flattened once (the unsharded list once the
+        # unsharded parameters exist).
+        self._sharded_regs = [(i.module._parameters, i.name, fp.sharded_param)
+                              for fp in self.fsdp_params for i in fp.module_infos]
+        self._unsharded_regs: list | None = None
+        # The trainable parameters, and whether every parameter is one (then
+        # the gradients are one run of the flat layout when all are present).
+        self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+        # Each rank's part of the unsharded buffer, [q * shard_numel, ...):
+        # what a batched all-gather copies into. Views, valid across resizes,
+        # made at the first (a view cannot be made while the buffer has no memory).
+        self.rank_views: list[torch.Tensor] | None = None
+        # How the reduced output splits into the parameters' local parts (and
+        # the gaps between and after them), and which part is whose.
+        self._grad_split: list[int] = []
+        cursor = shard_start
+        for fp in self.fsdp_params:
+            if fp.local_start > cursor:
+                self._grad_split.append(fp.local_start - cursor)
+            fp._grad_index = len(self._grad_split)
+            self._grad_split.append(fp.local_numel)
+            cursor = max(cursor, fp.local_end)
+        end = shard_start + (self.shard_numel if sharded else self.padded_numel)
+        if end > cursor:
+            self._grad_split.append(end - cursor)
         # NO_SHARD units are unsharded for good: unshard and reshard do nothing.
         self.sharded_state = ShardedState.SHARDED if sharded else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
@@ -180,6 +212,14 @@ class FSDPParamGroup:
         # and when it was started.
         self._reduce: collectives.ReduceScatterResult | None = None
         self._reduce_issued = 0
+        # Set by the root's reduce plan for this backward: the units whose
+        # gradients go as one reduce-scatter with this one's (None: alone).
+        # See [Note: batched collectives] in _fsdp_collectives.py.
+        self.grad_batch: GradBatch | None = None
+        # Gathered ahead by the root's plan and not yet used: the root
+        # reshards it if its forward does not come (see [Note: gather and
+        # reduce plans] in _fsdp_state.py).
+        self.gathered_ahead = False
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
 
@@ -187,12 +227,20 @@ class FSDPParamGroup:
         """Starts the all-gather of the unit's parameters (no-op unless SHARDED)."""
         if self.sharded_state != ShardedState.SHARDED:
             return
-        self._check_transport("unshard")
-        self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
-        self._unshard_issue = (time.monotonic_ns(), phase)
+        self._begin_unshard(phase, time.monotonic_ns())
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
         self._unshard_future = collectives.all_gather_unit(self.transport, shard, self.unsharded)
+
+    def _begin_unshard(self, phase: str, issued_ns: int) -> None:
+        self._check_transport("unshard")
+        self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
+        self._unshard_issue = (issued_ns, phase)
         self.sharded_state = ShardedState.UNSHARDING
+
+    def batches_with(self, other: "FSDPParamGroup") -> bool:
+        """Whether this unit's collectives can share one with ``other``'s."""
+        return (self.sharded and other.sharded and self.transport is other.transport and self.dtype == other.dtype
+                and self.compute_dtype == other.compute_dtype and self.reduce_dtype == other.reduce_dtype)
 
     def _wait_all_gather(self) -> None:
         needed = time.monotonic_ns()
@@ -207,9 +255,13 @@ class FSDPParamGroup:
             self.unshard(phase)
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()
-            for fp in self.fsdp_params:
-                fp.init_unsharded_param(self.unsharded)
-                fp.to_unsharded()
+            if self._unsharded_regs is None:
+                for fp in self.fsdp_params:
+                    fp.init_unsharded_param(self.unsharded)
+                self._unsharded_regs = [(i.module._parameters, i.name, fp.unsharded_param)
+                                        for fp in self.fsdp_params for i in fp.module_infos]
+            for params, name, p in self._unsharded_regs:
+                params[name] = p
             self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -218,10 +270,11 @@ class FSDPParamGroup:
             return
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()  # the transport is still writing the buffer
-        for fp in self.fsdp_params:
-            fp.to_sharded()
+        for params, name, p in self._sharded_regs:
+            params[name] = p
         self.unsharded.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
+        self.gathered_ahead = False
 
     # --- the iteration ---------------------------------------------------------
 
@@ -254,9 +307,11 @@ class FSDPParamGroup:
 
     # [Note: the per-gradient seam]
     # Packing happens per unit, from Python, once all of the unit's gradients
-    # exist (post_backward -> _grad_segments -> pack_grads: one fused C++ copy
-    # per run of gradients, 1/N folded in). The step that moves this into C++
-    # replaces exactly these three: a post-accumulate-grad hook per parameter
+    # exist (post_backward -> _grad_segments -> pack_unit_grads: one fused C++
+    # copy per run of gradients, 1/N folded in); the unit's GradBatch then
+    # launches several units as one collective (see [Note: batched
+    # collectives] in _fsdp_collectives.py). The step that moves this into
+    # C++ replaces exactly these: a post-accumulate-grad hook per parameter
     # that copies each gradient into the reduce-scatter input as it lands and
     # launches the input in chunks as they fill, as csrc/reducer does per
     # bucket. The transport calls, finalize_backward and the records stay.
@@ -270,17 +325,22 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
-        trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        trainable = self._trainable
         if not trainable:
             self._reshard_after_backward()
             return
+        keep = not self.requires_gradient_sync
         for fp in trainable:
-            fp.accumulate_grad(self.reduce_dtype, keep=not self.requires_gradient_sync)
+            if keep or fp.accumulated_grad is not None:
+                fp.accumulate_grad(self.reduce_dtype, keep=keep)
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
             segments = self._grad_segments()
             self._reduce_issued = time.monotonic_ns()
-            if self.sharded:
+            batch, self.grad_batch = self.grad_batch, None
+            if batch is not None and not batch.launched:
+                batch.add(self, collectives.pack_unit_grads(self.transport, segments, self.padded_numel, self.reduce_dtype))
+            elif self.sharded:
                 self._reduce = collectives.reduce_scatter_grads(
                     self.transport, segments, self.padded_numel, self.shard_numel, self.reduce_dtype
                 )
@@ -298,6 +358,10 @@ class FSDPParamGroup:
 
     def _grad_segments(self) -> list:
         """The unit's flat layout as runs of present gradients and gaps."""
+        if self._all_trainable:  # the common case: one run
+            grads = [fp.grad_to_reduce() for fp in self.fsdp_params]
+            if all(g is not None and g.dtype == self.reduce_dtype and g.is_contiguous() for g in grads):
+                return [collectives.Segment(0, self.total_numel, grads)]
         segments: list[collectives.Segment] = []
         run: list[torch.Tensor] = []
         run_start = run_numel = 0
@@ -323,17 +387,19 @@ class FSDPParamGroup:
         """Waits for the reduce-scatter and hands each shard its ``.grad`` (a
         view of the reduced shard; added to a ``.grad`` the user kept)."""
         reduce, self._reduce = self._reduce, None
+        self.grad_batch = None
         if reduce is not None:
             needed = time.monotonic_ns()
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self.records.append(CollectiveRecord(self.label, kind, "backward", self._reduce_issued, needed, completed))
-            start = self.rank * self.shard_numel if self.sharded else 0
+            if reduce.pieces is not None and reduce.output.dtype == self.dtype:
+                grads = reduce.pieces
+            else:
+                grads = reduce.output.to(self.dtype).split_with_sizes(self._grad_split)
             with torch.no_grad():
-                for fp in self.fsdp_params:
-                    if not fp.requires_grad:
-                        continue
-                    grad = reduce.output.narrow(0, fp.local_start - start, fp.local_numel).to(self.dtype)
+                for fp in self._trainable:
+                    grad = grads[fp._grad_index]
                     if not self.sharded:
                         grad = grad.view(fp.shape)
                     if fp.sharded_param.grad is None:
@@ -360,3 +426,56 @@ class FSDPParamGroup:
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({self.label!r}, {len(self.fsdp_params)} params, total={self.total_numel}, "
                 f"shard={self.shard_numel}, {self.sharded_state.name}, {self.training_state.name})")
+
+
+def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
+    """Starts the all-gather of the SHARDED units among ``groups`` (which
+    ``batches_with`` one another) as one collective; one unit alone takes
+    ``unshard``. See [Note: batched collectives] in _fsdp_collectives.py."""
+    groups = [g for g in groups if g.sharded_state == ShardedState.SHARDED]
+    if len(groups) <= 1:
+        for g in groups:
+            g.unshard(phase)
+        return
+    issued = time.monotonic_ns()
+    for g in groups:
+        g._begin_unshard(phase, issued)
+        if g.rank_views is None:
+            g.rank_views = list(g.unsharded.split(g.shard_numel))
+    future = collectives.all_gather_units(groups[0].transport, [g.shard for g in groups], [g.unsharded for g in groups],
+                                          [g.rank_views for g in groups], groups[0].compute_dtype)
+    for g in groups:
+        g._unshard_future = future
+
+
+class GradBatch:
+    """Units whose gradients are reduce-scattered as one collective, chosen
+    by the root's reduce plan for one backward (see [Note: gather and reduce
+    plans] in _fsdp_state.py). Each member's ``post_backward`` adds its
+    packed gradients; the last one to arrive launches the collective, and
+    every member's ``_reduce`` becomes its view of it. ``launch`` early (the
+    root's final callback, for a batch some member never reached) sends the
+    members that arrived; a later one then goes alone."""
+
+    def __init__(self, members: list[FSDPParamGroup]):
+        self.members = members
+        self.packed: list[tuple[FSDPParamGroup, torch.Tensor]] = []  # (unit, its packed gradients), arrival order
+        self.launched = False
+
+    def add(self, pg: FSDPParamGroup, packed: torch.Tensor) -> None:
+        self.packed.append((pg, packed))
+        if len(self.packed) == len(self.members):
+            self.launch()
+
+    def launch(self) -> None:
+        if self.launched or not self.packed:
+            return
+        self.launched = True
+        units = [pg for pg, _ in self.packed]
+        issued = time.monotonic_ns()
+        results = collectives.reduce_scatter_units(units[0].transport, [p for _, p in self.packed],
+                                                   [pg.shard_numel for pg in units], [pg._grad_split for pg in units])
+        for pg, result in zip(units, results):
+            pg._reduce = result
+            pg._reduce_issued = issued
+        self.packed = []

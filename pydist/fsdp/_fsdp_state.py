@@ -3,28 +3,64 @@ does once per iteration.
 
 [Note: the order of an iteration]
     root pre-forward     lazy init on the first call (the root opens the
-                         transport all units share); forget last iteration's order
-    unit pre-forward     unshard + wait; record the unit in the forward order;
-                         start the all-gathers of set_modules_to_forward_prefetch;
+                         transport all units share); last iteration's forward
+                         order becomes this forward's gather plan
+    unit pre-forward     unshard (with the units after it in the plan, one
+                         collective) + wait; when it starts a batch, start the
+                         next batch's all-gather; record the unit in the forward
+                         order; start the all-gathers of set_modules_to_forward_prefetch;
                          wrap the inputs that need grad so the unit learns when
                          its backward is done
     unit post-forward    reshard (reshard_after_forward; never the root, whose
-                         parameters are needed again at once); hook the outputs
-    unit pre-backward    (first gradient reaching an output) queue the root's
-                         final callback once; unshard + wait; start the
-                         all-gather of the next unit in backward order (the one
-                         before it in forward order, or set_modules_to_backward_prefetch)
-                         so it runs while this unit computes
-    unit post-backward   (gradients reach the unit's inputs) pack its gradients,
-                         start the reduce-scatter, reshard
+                         parameters are needed again at once); hook the outputs;
+                         the root reshards what was gathered ahead and not used
+    unit pre-backward    (first gradient reaching an output) the first one:
+                         queue the root's final callback, plan the backward
+                         (gathers and reduce batches, from this forward's order);
+                         unshard (with the units after it in that plan) + wait;
+                         when it starts a batch, start the next batch's all-gather
+                         (and set_modules_to_backward_prefetch's) so it runs
+                         while this unit computes
+    unit post-backward   (gradients reach the unit's inputs) pack its gradients;
+                         start the reduce-scatter (its batch's, once the batch's
+                         last unit is packed); reshard
     final callback       post-backward for the units autograd never told (the
                          root, a first unit whose inputs need no grad), in
-                         reverse forward order; then every unit waits for its
-                         reduce-scatter and hands the shards their .grad, so the
-                         optimizer sees finished gradients when backward() returns
+                         reverse forward order; launch what batches remain; then
+                         every unit waits for its reduce-scatter and hands the
+                         shards their .grad, so the optimizer sees finished
+                         gradients when backward() returns
+See [Note: gather and reduce plans] for the batches.
 Every rank goes through the same steps in the same order for the same
 model, so their collectives match (see [Note: which transport carries a
 sharded unit]).
+
+[Note: gather and reduce plans]
+The root does not leave each unit to gather and reduce alone: it plans, in
+the order the units will need their parameters, which go together as one
+collective (see [Note: batched collectives] in _fsdp_collectives.py) and
+which are gathered ahead.
+    forward          the plan is last iteration's forward order (none on the
+                     first: each unit gathers alone, as needed). A unit that
+                     needs its parameters and has none gathers with it the
+                     SHARDED units after it in the plan, up to batch_bytes of
+                     unsharded parameters; when the first unit of a batch
+                     starts, the next batch is issued ("forward_prefetch"),
+                     so it travels while this one computes. A unit gathered
+                     ahead whose forward does not come this time is
+                     resharded at the root's post-forward.
+    backward         the plan is this iteration's forward order reversed,
+                     cut the same way ("backward", then "backward_prefetch").
+    reduce-scatter   at the first backward hook, the units of the backward
+                     plan that will reduce are cut into GradBatches of up to
+                     batch_bytes; the last member's post-backward launches its
+                     batch, so it overlaps the rest of backward. Units whose
+                     post-backward came from the final callback last time
+                     (the root, a first unit whose inputs need no grad) go
+                     alone, so they hold no batch back until backward ends.
+Every rank plans from the same orders, so their collectives still match.
+With batch_bytes = 0 every batch is one unit: each gathers and reduces on
+its own, one unit ahead.
 """
 
 from __future__ import annotations
@@ -38,9 +74,14 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup, TrainingState
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup, GradBatch, ShardedState, TrainingState, unshard_units
 
-__all__ = ["FSDPState", "state_of"]
+__all__ = ["FSDPState", "state_of", "GatherPlan", "DEFAULT_BATCH_BYTES"]
+
+# Unsharded bytes of parameters (and of gradients) a root gathers (reduces)
+# as one collective: a piece of the shared-memory transport at two ranks
+# holds half of it (see kShmPieceBytes in csrc/transport/shm_transport.h).
+DEFAULT_BATCH_BYTES = 1 << 20
 
 
 def state_of(module: nn.Module) -> "FSDPState | None":
@@ -76,6 +117,16 @@ class FSDPState:
         self.forward_iteration = -1
         self.final_callback_queued = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
+        # Root only: see [Note: gather and reduce plans]. How many unsharded
+        # bytes go as one collective; this iteration's forward and backward
+        # gather plans (None: no plan); the reduce batches of this backward;
+        # the states whose post-backward came from the final callback last
+        # iteration.
+        self.batch_bytes = DEFAULT_BATCH_BYTES
+        self.forward_plan: GatherPlan | None = None
+        self.backward_plan: GatherPlan | None = None
+        self.grad_batches: list[GradBatch] = []
+        self.late_posters: set[int] = set()
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
 
@@ -106,6 +157,8 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         self.iteration += 1
+        self.forward_plan = GatherPlan(self.forward_order, self.batch_bytes, "forward") if self.forward_order else None
+        self.backward_plan = None
         self.forward_order = []
         self.final_callback_queued = False
         self.backward_end_ns = -1
@@ -117,6 +170,7 @@ class FSDPState:
         """See [Note: the order of an iteration]."""
         self.backward_end_ns = time.monotonic_ns()  # autograd is done; what follows is exposed
         seen = set()
+        self.late_posters = set()
         for state in reversed(self.forward_order):
             if id(state) in seen:
                 continue
@@ -125,7 +179,11 @@ class FSDPState:
             # (its inputs need no grad) still reduces, zeros where no
             # gradient came, so every rank issues the same collectives.
             if state.param_group.training_state != TrainingState.POST_BACKWARD:
+                self.late_posters.add(id(state))
                 state.param_group.post_backward()
+        for batch in self.grad_batches:
+            batch.launch()  # those some member never reached (a unit skipped this backward)
+        self.grad_batches = []
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.finalize_backward()
@@ -153,6 +211,9 @@ class FSDPState:
             )
         if torch.is_grad_enabled():
             self.forward_iteration = root.iteration
+        if root.forward_plan is not None:
+            root.forward_plan.need(self)
+        pg.gathered_ahead = False  # its forward came
         pg.pre_forward()
         root.forward_order.append(self)
         for target in self.forward_prefetch:
@@ -168,9 +229,17 @@ class FSDPState:
             # The root keeps its parameters for backward, unless there is none.
             reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
             pg.post_forward(reshard)
+        if self.is_root:
+            for state in self.all_states:  # gathered ahead for a forward that did not come
+                if state.param_group is not None and state.param_group.gathered_ahead:
+                    state.param_group.reshard()
         if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
+            if isinstance(output, torch.Tensor):
+                if output.requires_grad:
+                    output.register_hook(self._pre_backward)
+                return output
             flat, _ = tree_flatten(output)
             for t in flat:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -182,24 +251,60 @@ class FSDPState:
         if not root.final_callback_queued:
             root.final_callback_queued = True
             Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
+            root._plan_backward()
         pg = self.param_group
-        if pg is not None and pg.pre_backward():
-            for target in self._backward_prefetch_targets():
+        if pg is None or pg.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return grad
+        if root.backward_plan is not None:
+            root.backward_plan.need(self)
+        pg.gathered_ahead = False
+        if pg.pre_backward() and self.backward_prefetch is not None:
+            for target in self.backward_prefetch:
                 tpg = target.param_group
                 if tpg is not None and tpg.training_state != TrainingState.POST_BACKWARD:
                     tpg.unshard("backward_prefetch")
         return grad
 
-    def _backward_prefetch_targets(self) -> list["FSDPState"]:
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
-        order = self.root.forward_order
-        for i in range(len(order) - 1, 0, -1):
-            if order[i] is self:
-                return [order[i - 1]]
-        return []
+    def _plan_backward(self) -> None:
+        """Root, at the first backward hook: the backward gather plan and the
+        reduce batches. See [Note: gather and reduce plans]."""
+        self.backward_plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward")
+        self.grad_batches = []
+        run: list[FSDPParamGroup] = []
+        run_bytes = 0
+
+        def close_run():
+            if len(run) > 1:
+                batch = GradBatch(list(run))
+                for member in run:
+                    member.grad_batch = batch
+                self.grad_batches.append(batch)
+            run.clear()
+
+        for state in self.backward_plan.states:
+            pg = state.param_group
+            pg.grad_batch = None
+            reduces = (pg.sharded and pg.requires_gradient_sync and id(state) not in self.late_posters
+                       and any(fp.requires_grad for fp in pg.fsdp_params))
+            nbytes = pg.padded_numel * torch.finfo(pg.reduce_dtype).bits // 8
+            if not reduces or (run and (run_bytes + nbytes > self.batch_bytes or not run[0].batches_with(pg))):
+                close_run()
+                run_bytes = 0
+            if reduces:
+                run.append(pg)
+                run_bytes += nbytes
+        close_run()
 
     def _register_post_backward(self, args, kwargs):
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            positions = [i for i, t in enumerate(args) if t.requires_grad]
+            if not positions:
+                return args, kwargs
+            outs = RegisterPostBackwardFunction.apply(self.param_group, *[args[i] for i in positions])
+            args = list(args)
+            for i, t in zip(positions, outs):
+                args[i] = t
+            return tuple(args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
@@ -208,6 +313,61 @@ class FSDPState:
         for i, t in zip(positions, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
+
+
+class GatherPlan:
+    """The units in the order they are expected to need their parameters,
+    gathered in batches one batch ahead. See [Note: gather and reduce plans]."""
+
+    def __init__(self, order: list[FSDPState], batch_bytes: int, phase: str):
+        seen: set[int] = set()
+        self.states = []  # the units, each at its first place in ``order``
+        for s in order:
+            if s.param_group is not None and id(s) not in seen:
+                seen.add(id(s))
+                self.states.append(s)
+        self.position = {id(s): i for i, s in enumerate(self.states)}
+        self.batch_bytes = batch_bytes
+        self.phase = phase  # "forward" or "backward": records name the collectives by it
+        self.cursor = 0  # every unit before it has been considered for a batch
+        self.heads: set[int] = set()  # first units of batches issued ahead: starting one issues the next
+
+    def need(self, state: FSDPState) -> None:
+        """``state``'s unit is about to compute: gathers its batch if it has
+        no parameters, and the next batch when it starts one."""
+        i = self.position.get(id(state))
+        if i is None:
+            return  # not in the plan: the unit gathers alone
+        if state.param_group.sharded_state == ShardedState.SHARDED:
+            self._issue(i, self.phase)
+        if id(state) in self.heads:
+            self.heads.discard(id(state))
+            self._issue(self.cursor, self.phase + "_prefetch")
+
+    def _issue(self, start: int, phase: str) -> None:
+        """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
+        members: list[FSDPParamGroup] = []
+        head = -1
+        nbytes = 0
+        k = start
+        while k < len(self.states):
+            pg = self.states[k].param_group
+            if pg.sharded_state == ShardedState.SHARDED and pg.training_state != TrainingState.POST_BACKWARD:
+                size = pg.padded_numel * pg.unsharded.element_size()
+                if members and (nbytes + size > self.batch_bytes or not members[0].batches_with(pg)):
+                    break
+                if not members:
+                    head = k
+                members.append(pg)
+                nbytes += size
+            k += 1
+        self.cursor = max(self.cursor, k)
+        if not members:
+            return
+        for pg in members:
+            pg.gathered_ahead = True
+        self.heads.add(id(self.states[head]))
+        unshard_units(members, phase)
 
 
 def _cast_floating(tree, dtype: torch.dtype):

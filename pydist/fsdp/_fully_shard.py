@@ -179,6 +179,15 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules: Iterable[nn.Module]) -> None:
         state_of(self).backward_prefetch = [_state_or_raise(m) for m in modules]
 
+    def set_collective_batch_bytes(self, nbytes: int) -> None:
+        """pydist's own, on the root: how many unsharded bytes of consecutive
+        units' parameters (and gradients) go as one all-gather (reduce-scatter);
+        0: every unit alone. See [Note: gather and reduce plans]
+        (pydist/fsdp/_fsdp_state.py). Takes effect from the next forward."""
+        if nbytes < 0:
+            raise ValueError(f"set_collective_batch_bytes: nbytes must be >= 0, got {nbytes}")
+        state_of(self).batch_bytes = int(nbytes)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         raise NotImplementedError("pydist.fully_shard: set_is_last_backward is not implemented yet")
 

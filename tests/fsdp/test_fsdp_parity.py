@@ -11,11 +11,14 @@ unit, a shape that pads badly per parameter, explicit forward/backward
 prefetch, the global gradient norm of ``pydist.clip_grad_norm_``, bf16
 parameters with fp32 reduction (``MixedPrecisionPolicy``, with and without
 accumulation), and both transports (shared memory and the gloo group).
+The small models here go as one batched collective per pass by default
+(see [Note: batched collectives]); ``test_fully_shard_bitwise_batch_sizes``
+runs them with every unit alone and in batches of a few units.
 """
 
 import pytest
 
-from fsdp_harness import Scenario, assert_parity, run_parity
+from fsdp_harness import Scenario, assert_parity, run_parity, run_scenarios
 
 
 @pytest.mark.timeout(150)
@@ -56,3 +59,29 @@ def test_fully_shard_close_at_four_ranks():
     ]
     results = run_parity(scenarios, 4, timeout=140)
     assert_parity(results, exact=False, scenarios=scenarios)
+
+
+def _scenarios_with_batch_bytes(rank, world_size, scenarios, batch_bytes):
+    """run_scenarios with every root's collective batch at ``batch_bytes``."""
+    from pydist.fsdp import _fsdp_state
+
+    _fsdp_state.DEFAULT_BATCH_BYTES = batch_bytes
+    return run_scenarios(rank, world_size, scenarios)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("batch_bytes", [0, 6000])
+def test_fully_shard_bitwise_batch_sizes(batch_bytes):
+    """Units alone (0) and in pairs (6000 bytes: a nested Block and its inner
+    unit) give torch FSDP2's bits too: batching only moves copies."""
+    from pydist.spawn import run_ranks
+
+    scenarios = [
+        Scenario(model="nested", optimizer="adam", shm=True),
+        Scenario(model="nested", optimizer="sgd", reshard_after_forward=False, shm=False),
+        Scenario(model="frozen", optimizer="sgd", micro_steps=3, shm=True),
+        Scenario(model="nested", optimizer="sgd", prefetch=True, shm=True),
+        Scenario(model="nested", optimizer="adam", mixed=True, shm=True),
+    ]
+    results = run_ranks(_scenarios_with_batch_bytes, 2, args=(scenarios, batch_bytes), timeout=180)
+    assert_parity(results, exact=True, scenarios=scenarios)

@@ -184,14 +184,18 @@ def _unused_and_memory_rank(rank, world_size, _unused):
     from fsdp_harness import Nested
     from pydist.fsdp import last_iteration_record
 
-    torch.manual_seed(0)
-    nested = Nested()
-    for m in nested.units():
-        fully_shard(m, shm=True)
-    fully_shard(nested, shm=True)
-    for _ in range(2):
-        F.mse_loss(nested(torch.randn(4, 8)), torch.randn(4, 4)).backward()
-    record = last_iteration_record(nested)
+    records = {}
+    for batch_bytes in (0, 6000, None):  # each unit alone, pairs (a Block 648 floats, its inner 600), the default
+        torch.manual_seed(0)
+        nested = Nested()
+        for m in nested.units():
+            fully_shard(m, shm=True)
+        fully_shard(nested, shm=True)
+        if batch_bytes is not None:
+            nested.set_collective_batch_bytes(batch_bytes)
+        for _ in range(2):
+            F.mse_loss(nested(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+        records[batch_bytes] = last_iteration_record(nested)
     # FSDP2's module methods: an explicit unshard shows full parameters, reshard the shards
     block = nested.blocks[1]
     handle = block.unshard(async_op=True)
@@ -201,7 +205,7 @@ def _unused_and_memory_rank(rank, world_size, _unused):
     shapes.append(tuple(block.proj.weight.shape))
     return {
         "shapes": shapes,
-        "records": record,
+        "records": records,
         "unused_match": unused,
         "persistent": tuple(measured),
         "expected": (shard_bytes, shard_bytes, adam_bytes),
@@ -218,27 +222,111 @@ def test_unused_on_some_ranks_and_persistent_bytes():
         assert out["persistent"] == out["expected"], f"rank {rank}: (params, grads, optimizer) {out['persistent']}"
         assert out["unsharded_bytes"] == 0
         assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
-        _check_records(out["records"])
+        for batch_bytes, record in out["records"].items():
+            _check_records(record, batch_bytes)
         assert out["shapes"][0] == (24, 24) and len(out["shapes"][1]) == 1, out["shapes"]
 
 
-def _check_records(record):
-    """The shape of an iteration (see [Note: the order of an iteration])."""
+def _check_records(record, batch_bytes):
+    """The shape of an iteration (see [Note: the order of an iteration] and
+    [Note: gather and reduce plans]), units alone (batch_bytes 0), in small
+    batches, or all in one (None: the default, for this small model)."""
     units = {"", "blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner", "blocks.2", "blocks.2.inner"}
     by_kind: dict = {}
     for r in record.collectives:
         by_kind.setdefault((r.kind, r.phase), []).append(r)
         assert 0 < r.issued_ns <= r.completed_ns, r
-    assert {r.unit for r in by_kind[("all_gather", "forward")]} == units
-    prefetched = by_kind.get(("all_gather", "backward_prefetch"), [])
-    assert prefetched, "backward prefetched no all-gather"
+    forward = by_kind[("all_gather", "forward")] + by_kind.get(("all_gather", "forward_prefetch"), [])
+    assert sorted(r.unit for r in forward) == sorted(units), batch_bytes  # each unit once
+    batch_issues = {r.issued_ns for r in forward}
+    if batch_bytes is None:
+        assert len(batch_issues) == 1, f"the default batch should gather this small model at once: {forward}"
+    else:  # the second iteration gathers ahead, by the first iteration's order
+        assert len(batch_issues) >= 3, forward
+        assert by_kind.get(("all_gather", "forward_prefetch")), f"batch_bytes={batch_bytes}: no forward prefetch"
+    prefetched = by_kind.get(("all_gather", "backward_prefetch"), []) + by_kind.get(("all_gather", "forward_prefetch"), [])
     assert all(r.issued_ns < r.needed_ns for r in prefetched)
+    if batch_bytes is not None:
+        assert by_kind.get(("all_gather", "backward_prefetch")), f"batch_bytes={batch_bytes}: backward prefetched nothing"
     scatters = by_kind[("reduce_scatter", "backward")]
-    assert {r.unit for r in scatters} == units
+    assert sorted(r.unit for r in scatters) == sorted(units)
+    if batch_bytes == 0:
+        assert len({r.issued_ns for r in scatters}) == len(units), scatters
+    elif batch_bytes is not None:
+        assert 1 < len({r.issued_ns for r in scatters}) < len(units), scatters
     end = record.backward_end_ns
     for r in scatters:
         assert r.needed_ns >= end, f"{r.unit}: its reduce-scatter was waited before backward ended"
         if r.unit == "":  # the root's inputs need no grad: the final callback launches it
             assert r.issued_ns >= end
         else:  # launched from inside backward, so it ran while autograd went on
-            assert r.issued_ns < end, f"{r.unit}: reduce-scatter launched only after backward"
+            assert r.issued_ns < end, f"{r.unit} (batch_bytes={batch_bytes}): reduce-scatter launched only after backward"
+
+
+class Skipping(nn.Module):
+    """Four units in a row; ``skip`` leaves one out (the same on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x, skip: int | None = None):
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def _skipped_unit_rank(rank, world_size, batch_bytes):
+    """A unit the plan gathers ahead (last iteration's order) whose forward
+    does not come this time: resharded at the root's post-forward, skipped
+    by backward's reduce batches, and training matches a plain model."""
+    import torch.distributed as dist
+
+    from pydist.fsdp import full_state_dict
+    from pydist.fsdp._fsdp_param_group import ShardedState
+
+    torch.manual_seed(0)
+    plain = Skipping()
+    model = Skipping()
+    model.load_state_dict(plain.state_dict())
+    for layer in model.layers:
+        fully_shard(layer, shm=True)
+    fully_shard(model, shm=True)
+    model.set_collective_batch_bytes(batch_bytes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    after_forward = []
+    for skip in (None, 2, None, 1):
+        x = torch.randint(-2, 3, (4, 8), generator=g).float()
+        out = model(x, skip)
+        unit = model.layers[skip]._pydist_fsdp_state.param_group if skip is not None else None
+        if unit is not None:
+            after_forward.append((unit.sharded_state == ShardedState.SHARDED,
+                                  unit.unsharded.untyped_storage().nbytes(),
+                                  model.layers[skip].weight.dim()))
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        # the oracle: every rank's plain gradients, averaged by hand
+        plain(x, skip).sum().backward()
+        every = [None] * world_size
+        dist.all_gather_object(every, {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                                       for n, p in plain.named_parameters()})
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.grad = sum(e[n] / world_size for e in every)
+        plain_opt.step()
+        plain_opt.zero_grad()
+    got = full_state_dict(model)
+    return {"after_forward": after_forward,
+            "match": {n: torch.equal(p.detach(), got[n]) for n, p in plain.named_parameters()}}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("batch_bytes", [0, 1 << 20], ids=["alone", "batched"])
+def test_unit_gathered_ahead_and_skipped(batch_bytes):
+    for rank, out in enumerate(run_ranks(_skipped_unit_rank, 2, args=(batch_bytes,), timeout=60)):
+        assert out["after_forward"] == [(True, 0, 1), (True, 0, 1)], f"rank {rank}: {out['after_forward']}"
+        assert all(out["match"].values()), f"rank {rank}: {out['match']}"
