@@ -253,8 +253,10 @@ class FSDPState:
             Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
             root._plan_backward()
         pg = self.param_group
-        if pg is None or pg.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if pg is None or pg.training_state == TrainingState.PRE_BACKWARD:
             return grad
+        if pg.training_state == TrainingState.POST_BACKWARD:
+            pg.pre_backward()  # raises: backward reached the unit again after its gradients were reduced
         if root.backward_plan is not None:
             root.backward_plan.need(self)
         pg.gathered_ahead = False
