@@ -156,6 +156,21 @@ def make_batch(sc: Scenario, rank: int, step: int, micro: int):
     return torch.randn(sc.batch, IN, generator=g), torch.randn(sc.batch, OUT, generator=g)
 
 
+def train_steps(model, opt, rank: int, steps: int, offset: int) -> list:
+    """``steps`` plain steps on the default scenario's batches from step
+    ``offset`` on; the losses. For the state-dict tests, which train, save,
+    load and train on."""
+    losses = []
+    for step in range(steps):
+        x, y = make_batch(Scenario(), rank, offset + step, 0)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)

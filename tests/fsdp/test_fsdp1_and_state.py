@@ -6,9 +6,8 @@ moved between pydist and torch FSDP2 in both directions, on spawned gloo ranks."
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from fsdp_harness import MODELS, Scenario, assert_close, assert_parity, make_batch, run_parity
+from fsdp_harness import MODELS, Scenario, assert_close, assert_parity, run_parity, train_steps
 from pydist.spawn import run_ranks
 
 
@@ -119,15 +118,7 @@ def _state_dict_rank(rank, world_size, _unused):
 
     def train(model, steps, offset):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)  # stateless: a fresh one is no different
-        losses = []
-        for step in range(steps):
-            x, y = make_batch(Scenario(), rank, offset + step, 0)
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return train_steps(model, opt, rank, steps, offset)
 
     out = {}
     a = build("torch", 0)

@@ -17,9 +17,8 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from fsdp_harness import MODELS, Scenario, make_batch
+from fsdp_harness import MODELS, Scenario, make_batch, train_steps
 from pydist.fsdp._state_dict import flat_range_boxes
 from pydist.spawn import run_ranks
 
@@ -43,18 +42,6 @@ def _build(impl: str, seed: int, world_size: int, reshard_after_forward: bool = 
     for m in model.units():
         shard(m, reshard_after_forward=reshard_after_forward, **kwargs)
     return shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
-
-
-def _train(model, opt, rank: int, steps: int, offset: int) -> list:
-    losses = []
-    for step in range(steps):
-        x, y = make_batch(Scenario(), rank, offset + step, 0)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _load_pydist_optimizer(model, opt, path: str) -> None:
@@ -132,7 +119,7 @@ def _save_rank(rank, world_size, root):
     out = {}
     model = _build("pydist", 0, world_size)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    _train(model, opt, rank, 2, 0)
+    train_steps(model, opt, rank, 2, 0)
     sd = model.state_dict()
     shard_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     out["sharded_types"] = {k: type(v).__name__ for k, v in sd.items()}
@@ -150,7 +137,7 @@ def _save_rank(rank, world_size, root):
     out["reloaded_full"] = full_state_dict(again)
     out["reloaded_optim"] = _full_osd(get_optimizer_state_dict(again, opt2))
     # ... and trains on exactly as the original does (Adam's moments and step came back)
-    out["continued"] = (_train(model, opt, rank, 2, 2), _train(again, opt2, rank, 2, 2))
+    out["continued"] = (train_steps(model, opt, rank, 2, 2), train_steps(again, opt2, rank, 2, 2))
     out["continued_full"] = (full_state_dict(model), full_state_dict(again))
 
     # torch FSDP2 saves its own (model.state_dict(): DTensors; its
@@ -160,14 +147,14 @@ def _save_rank(rank, world_size, root):
 
     tmodel = _build("torch", 3, world_size)
     topt = torch.optim.Adam(tmodel.parameters(), lr=0.01)
-    _train(tmodel, topt, rank, 2, 0)
+    train_steps(tmodel, topt, rank, 2, 0)
     dcp.save(tmodel.state_dict(), checkpoint_id=os.path.join(root, "torch2"))
     dcp.save(torch_get_osd(tmodel, topt), checkpoint_id=os.path.join(root, "torch2_optim"))
     out["torch_full"] = _full_sd(tmodel.state_dict())
     out["torch_optim"] = _torch_optim_full(tmodel, topt)
     resumed, ropt = _pydist_from_checkpoint(8, world_size, os.path.join(root, "torch2"),
                                             os.path.join(root, "torch2_optim"))
-    out["resumed"] = (_train(tmodel, topt, rank, 2, 2), _train(resumed, ropt, rank, 2, 2))
+    out["resumed"] = (train_steps(tmodel, topt, rank, 2, 2), train_steps(resumed, ropt, rank, 2, 2))
     out["resumed_full"] = (_full_sd(tmodel.state_dict()), full_state_dict(resumed))
     return out
 
@@ -265,7 +252,7 @@ def _torch_helpers_rank(rank, world_size, root):
     torch.manual_seed(0)
     c = FSDP(MODELS["mlp"](), auto_wrap_policy=_linear_policy(), device_id=torch.device("cpu"))
     copt = torch.optim.Adam(c.parameters(), lr=0.01)
-    _train(c, copt, rank, 1, 0)
+    train_steps(c, copt, rank, 1, 0)
     with FSDP.state_dict_type(c, StateDictType.FULL_STATE_DICT,
                               FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
         out["fsdp1_full"] = c.state_dict()
