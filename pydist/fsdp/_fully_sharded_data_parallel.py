@@ -55,7 +55,8 @@ results are bitwise FSDP1's at two ranks. The rest of ``MixedPrecision``:
   cast_forward_inputs      -> every unit's
   buffer_dtype             -> floating buffers cast once, here (FSDP1 casts
                               them at the root's first forward);
-                              ``_buffer_orig_dtypes`` keeps what they were
+                              state dicts give them back in the dtype
+                              they had where torch's do (_buffers_cast_back)
   keep_low_precision_grads=True, and ``_module_classes_to_ignore`` modules
   (BatchNorm: FSDP1 gives them their own full-precision units) under an
   ``auto_wrap_policy``, raise ``NotImplementedError``.
@@ -132,9 +133,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
-        # Each floating buffer's dtype before buffer_dtype cast it (see [Note:
-        # FSDP1's mixed precision]): what a state dict gives back. Empty without.
-        self._buffer_orig_dtypes = _cast_buffers(module, mixed_precision)
+        buffer_orig_dtypes = _cast_buffers(module, mixed_precision)
         kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
                       _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group)
         targets = _wrap_targets(module, auto_wrap_policy)
@@ -142,6 +141,9 @@ class FullyShardedDataParallel(nn.Module):
             if m is not module and m in targets:
                 fully_shard(m, mp_policy=unit_policy, **kwargs)
         fully_shard(module, mp_policy=root_policy, **kwargs)
+        # The buffers state dicts give back in their dtype from before
+        # buffer_dtype cast them (see [Note: FSDP1's mixed precision]).
+        self._buffer_orig_dtypes = _buffers_cast_back(module, targets, buffer_orig_dtypes)
         if backward_prefetch is None:
             for m in module.modules():
                 if (s := state_of(m)) is not None:
@@ -184,9 +186,14 @@ class FullyShardedDataParallel(nn.Module):
         _refuse(args or kwargs, "state_dict arguments")
         settings = FullyShardedDataParallel.get_state_dict_type(self)
         if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
-            return self._fsdp_wrapped_module.state_dict()
-        rank0_only = getattr(settings.state_dict_config, "rank0_only", False)
-        return full_state_dict(self._fsdp_wrapped_module, rank0_only=rank0_only)
+            state_dict = self._fsdp_wrapped_module.state_dict()
+        else:
+            rank0_only = getattr(settings.state_dict_config, "rank0_only", False)
+            state_dict = full_state_dict(self._fsdp_wrapped_module, rank0_only=rank0_only)
+        for fqn, dtype in self._buffer_orig_dtypes.items():
+            if fqn in state_dict:
+                state_dict[fqn] = state_dict[fqn].to(dtype)
+        return state_dict
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Full tensors (any world size saved them) or, under
@@ -345,6 +352,19 @@ def _cast_buffers(module: nn.Module, mixed_precision: MixedPrecision | None) -> 
             before[fqn] = buf.dtype
             buf.data = buf.data.to(dtype)
     return before
+
+
+def _buffers_cast_back(root: nn.Module, targets: set, orig_dtypes: dict) -> dict:
+    """The part of {fqn: dtype before buffer_dtype} that torch's FSDP1 state
+    dicts (full and sharded) give back in that dtype: a buffer is cast back
+    by the state-dict hook of each wrapper around it that manages parameters
+    of its own, and a wrapper without (a root whose parameters are all in
+    nested units) returns its state dict early, leaving its buffers in
+    buffer_dtype."""
+    owners = [name for name, m in root.named_modules()
+              if (m is root or m in targets) and (s := state_of(m)) is not None and s.param_group is not None]
+    return {fqn: dtype for fqn, dtype in orig_dtypes.items()
+            if any(not name or fqn.startswith(name + ".") for name in owners)}
 
 
 def _broadcast_module_states(module: nn.Module, group) -> None:

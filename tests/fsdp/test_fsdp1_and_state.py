@@ -162,3 +162,47 @@ def test_full_state_dict_moves_both_ways_with_torch_fsdp2():
             assert torch.equal(v, rank0_initial[k]), f"rank {rank}: {k} is not rank 0's after sync_module_states"
         if rank:
             assert any(not torch.equal(out["synced"][0][k], rank0_initial[k]) for k in rank0_initial)
+
+
+
+def _buffer_dtype_state_dicts_rank(rank, world_size, _unused):
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision, StateDictType
+
+    from fsdp_harness import make_optimizer, wrap
+    import pydist
+
+    sc = Scenario(api="fsdp1", model="buffered", optimizer="adam", mixed=True, buffer_dtype="bfloat16", shm=True)
+    out = {}
+    for impl, cls in (("torch", TorchFSDP), ("pydist", pydist.FullyShardedDataParallel)):
+        for layout in ("units", "root"):
+            torch.manual_seed(0)
+            if layout == "units":  # the Linears are units; the root holding the buffers has no parameters
+                model = wrap(impl, sc, MODELS["buffered"](), world_size)
+            else:  # one unit: the root holds every parameter and the buffers
+                mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+                model = cls(MODELS["buffered"](), mixed_precision=mp, device_id=torch.device("cpu"))
+            train_steps(model, make_optimizer("adam", model.parameters()), rank, 1, 0)
+            for kind in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
+                with cls.state_dict_type(model, kind):
+                    sd = model.state_dict()
+                out[impl, layout, kind.name] = {k: sd[k].clone() for k in ("scale", "calls")}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp1_state_dicts_give_buffers_the_dtype_torch_does():
+    """Under MixedPrecision(buffer_dtype=bf16) FSDP1 computes with bf16
+    buffers; its state dicts (full and sharded) give them back in the
+    registered fp32 when the wrapper around them has parameters of its own
+    and leave them bf16 when it has none. pydist's give the same tensors."""
+    for rank, out in enumerate(run_ranks(_buffer_dtype_state_dicts_rank, 2, args=(None,), timeout=100)):
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            assert out["torch", "units", kind]["scale"].dtype == torch.bfloat16
+            assert out["torch", "root", kind]["scale"].dtype == torch.float32
+            for layout in ("units", "root"):
+                ref, got = out["torch", layout, kind], out["pydist", layout, kind]
+                for name in ref:
+                    where = f"rank {rank} {layout} {kind}: {name}"
+                    assert got[name].dtype == ref[name].dtype, f"{where} is {got[name].dtype}, torch's {ref[name].dtype}"
+                    assert torch.equal(got[name], ref[name]), f"{where} differs from torch FSDP1's"
