@@ -172,6 +172,46 @@ def test_peer_that_never_arrives_times_out_and_aborts_the_others():
         ends[0].allreduce_(torch.ones(10))
 
 
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", ["numel", "kind", "dtype", "empty"])
+def test_ranks_issuing_different_collectives_fail_naming_both(case):
+    """Pieces pair up by count alone, so without a check these would pair
+    unrelated pieces and finish with wrong data (an all-gather of 1000
+    elements against one of 600 left zeros in rank 0's output)."""
+    ends = _pair(timeout_s=10)
+    one = torch.ones(16)
+    calls = {
+        "numel": [lambda: ends[0].all_gather(torch.ones(1000), torch.zeros(2000)).wait(),
+                  lambda: ends[1].all_gather(torch.ones(600), torch.zeros(1200)).wait()],
+        "kind": [lambda: ends[0].all_gather(one, torch.zeros(32)).wait(),
+                 lambda: ends[1].reduce_scatter(torch.ones(32), torch.zeros(16), 1.0).wait()],
+        "dtype": [lambda: ends[0].all_reduce(torch.ones(16), 1.0).wait(),
+                  lambda: ends[1].all_reduce(torch.ones(16, dtype=torch.float64), 1.0).wait()],
+        "empty": [lambda: ends[0].all_gather(torch.ones(0), torch.zeros(0)).wait(),
+                  lambda: ends[1].all_gather(one, torch.zeros(32)).wait()],
+    }[case]
+    start = time.monotonic()
+    errors = _in_threads(calls)
+    assert time.monotonic() - start < 5, "the mismatch was found only at the timeout"
+    for rank, error in enumerate(errors):
+        assert error is not None, f"rank {rank} finished a collective its peer did not issue"
+        assert "the ranks issued different collectives" in str(error), str(error)
+        assert f"rank {rank} runs" in str(error) and f"rank {1 - rank} runs" in str(error)
+
+
+@pytest.mark.timeout(30)
+def test_empty_collectives_still_pair_up():
+    ends = _pair()
+    outs = [torch.zeros(0), torch.zeros(0)]
+    calls = [lambda e=e, o=o: e.all_gather(torch.ones(0), o).wait() for e, o in zip(ends, outs)]
+    assert _in_threads(calls) == [None, None]
+    xs = [_ints(40, r, torch.float32) for r in range(2)]  # and the next one pairs as before
+    expected = xs[0] + xs[1]
+    assert _in_threads([lambda e=e, x=x: e.allreduce_(x) for e, x in zip(ends, xs)]) == [None, None]
+    assert torch.equal(xs[0], expected) and torch.equal(xs[1], expected)
+
+
 def _map_then_die(name, ready):
     end = _C.ShmTransport(name, 1, 2, create=False, timeout_s=60)  # noqa: F841 - held until the process dies
     ready.set()

@@ -35,7 +35,7 @@ namespace pydist {
 namespace {
 
 constexpr uint64_t kMagic = 0x70796469'73747368ULL;  // "pydistsh"
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 constexpr size_t kHeaderBytes = 4096;
 // Checks of a counter before going to sleep on it: a peer that is running
 // usually arrives within this, and sleeping costs two syscalls and a wakeup.
@@ -68,6 +68,14 @@ struct alignas(64) ShmRankBlock {
   int32_t pid;       // for the liveness check
   uint64_t pid_ns;   // inode of its pid namespace; pids compare only within one
   char pad2[48];
+  // The collective this rank is running, written before it stages the
+  // collective's first piece: see [Note: ranks agree on each collective].
+  uint32_t call;       // collectives this rank has started, this one included
+  uint32_t call_kind;  // its transport::Collective
+  uint32_t call_dtype; // its at::ScalarType
+  uint32_t pad3;
+  int64_t call_numel;  // elements per rank: the piece, the output shard, or the shard
+  char pad4[40];
 };
 
 size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
@@ -383,6 +391,33 @@ void ShmTransport::work_loop() {
 
 void ShmTransport::run_job(const Job& job) {
   running_ = job.kind;
+  // [Note: ranks agree on each collective]
+  // Peers pair their pieces by count alone, so ranks that issue different
+  // collectives (a unit run on some ranks only, a rank that skipped a
+  // bucket) would pair unrelated pieces and finish with wrong data. So each
+  // rank writes what it is running into its block before staging its first
+  // piece, and the first wait for the peers' staged pieces compares theirs
+  // with its own (wait_for_peers): a mismatch fails every rank at once,
+  // naming both. A peer cannot overwrite its description before this rank
+  // reads it: it cannot finish that first piece without this rank. A
+  // collective of no elements still makes one empty step, so its check
+  // happens too.
+  const int64_t per_rank = job.kind == transport::Collective::kReduceScatter ? job.output.numel() : job.input.numel();
+  ShmRankBlock& me = segment_->ranks[rank_];
+  me.call_kind = static_cast<uint32_t>(job.kind);
+  me.call_dtype = static_cast<uint32_t>(job.input.scalar_type());
+  me.call_numel = per_rank;
+  store(&me.call, ++calls_done_);
+  call_unchecked_ = world_size_ > 1;
+  if (per_rank == 0) {
+    if (world_size_ > 1) {
+      const uint32_t piece = ++pieces_done_;
+      publish(Phase::kStaged, piece);
+      wait_for_peers(Phase::kStaged, piece);
+      finish_step(piece);
+    }
+    return;
+  }
   auto run = [&](auto* input, auto scale) {
     using T = std::remove_pointer_t<decltype(input)>;
     switch (job.kind) {
@@ -538,6 +573,31 @@ void ShmTransport::publish(Phase phase, uint32_t piece) {
 }
 
 void ShmTransport::wait_for_peers(Phase phase, uint32_t piece) {
+  wait_for_counters(phase, piece);
+  if (phase == Phase::kStaged && call_unchecked_) {
+    call_unchecked_ = false;
+    check_same_call();
+  }
+}
+
+void ShmTransport::check_same_call() const {
+  const ShmRankBlock& me = segment_->ranks[rank_];
+  auto describe = [](const ShmRankBlock& b) {
+    return c10::str(transport::collective_name(static_cast<transport::Collective>(b.call_kind)), " #", b.call, " of ",
+                    b.call_numel, " ", static_cast<at::ScalarType>(b.call_dtype), " elements per rank");
+  };
+  for (int64_t q = 0; q < world_size_; ++q) {
+    const ShmRankBlock& peer = segment_->ranks[q];
+    const bool same = load(&peer.call) == me.call && peer.call_kind == me.call_kind &&
+                      peer.call_dtype == me.call_dtype && peer.call_numel == me.call_numel;
+    TORCH_CHECK(same, "shared-memory transport (", name_, "): the ranks issued different collectives: rank ", rank_,
+                " runs ", describe(me), ", rank ", q, " runs ", describe(peer),
+                ". Every rank must issue the same collectives in the same order: run the same modules in forward "
+                "and backward on every rank (a unit or bucket skipped on some ranks breaks this)");
+  }
+}
+
+void ShmTransport::wait_for_counters(Phase phase, uint32_t piece) {
   for (int64_t q = 0; q < world_size_; ++q) {
     if (q == rank_) continue;
     uint32_t* word = counter(q, phase);

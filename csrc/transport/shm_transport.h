@@ -126,7 +126,8 @@ class ShmTransport : public transport::Transport {
   // the worker runs jobs in order, completes the future once the output
   // holds the result (or sets it to the error), and lets go of the tensors
   // before that. Every rank must queue the same sequence of calls with the
-  // same numels and dtypes. Require contiguous CPU tensors of one dtype that
+  // same numels and dtypes (a rank that does not fails every rank at its
+  // first differing call, naming both). Require contiguous CPU tensors of one dtype that
   // supports() accepts, and the process that made this end (see [Note:
   // forked children]). The scale is applied in the copies: applies_scale().
   transport::Future all_reduce(at::Tensor piece, double scale) override;
@@ -171,8 +172,12 @@ class ShmTransport : public transport::Transport {
   // Raises this rank's counter to `piece` and wakes peers sleeping on it.
   void publish(Phase phase, uint32_t piece);
   // Returns once every peer's counter has reached `piece`; throws naming the
-  // peer when one cannot get there (see the note).
+  // peer when one cannot get there (see the note). The first staged wait of
+  // a collective also checks that the peers run the same one
+  // (check_same_call; [Note: ranks agree on each collective] in the .cpp).
   void wait_for_peers(Phase phase, uint32_t piece);
+  void wait_for_counters(Phase phase, uint32_t piece);
+  void check_same_call() const;
   void check_peer(int64_t peer, Phase phase, uint32_t piece, std::chrono::steady_clock::time_point deadline) const;
   transport::Collective running_ = transport::Collective::kAllReduce;  // the worker's job, for errors
   // Where rank `owner` keeps region `region` of staging set `set`.
@@ -193,6 +198,8 @@ class ShmTransport : public transport::Transport {
   size_t mapped_bytes_ = 0;
   std::unique_ptr<ShmSegment> segment_;  // views of base_
   uint32_t pieces_done_ = 0;  // pieces this rank has run; the k of the protocol
+  uint32_t calls_done_ = 0;   // collectives this rank has started
+  bool call_unchecked_ = false;  // the running collective's description is not yet compared with the peers'
 
   std::atomic<bool> stopping_{false};  // set by the destructor; waits give up
   bool broken_ = false;     // a job failed: every later one fails too (peers are out of step)
