@@ -23,8 +23,9 @@ $(STAMP): $(SOURCES)
 MPIEXEC ?= mpiexec
 MPI_RANKS ?= 2
 MPI_TESTS = $(MPIEXEC) -n $(MPI_RANKS) $(PYTHON) -m mpi4py -m pytest tests/mpi -p no:cacheprovider -o timeout=120
+# --durations: the slowest tests, so a CI log shows where its time goes.
 test: install
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest tests --durations=15
 	$(MPI_TESTS)
 
 test-spawn: install
