@@ -203,8 +203,7 @@ class FullyShardedDataParallel(nn.Module):
         settings = FullyShardedDataParallel.get_state_dict_type(self)
         if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
             return self._fsdp_wrapped_module.load_state_dict(state_dict, strict=strict)
-        load_full_state_dict(self._fsdp_wrapped_module, state_dict)
-        return None
+        return load_full_state_dict(self._fsdp_wrapped_module, state_dict, strict=strict)
 
     @staticmethod
     def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,

@@ -345,11 +345,12 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
     return sd if keep else {}
 
 
-def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = False):
     """Loads full tensors (``full_state_dict``'s keys; any world size saved
     them) into this rank's shards; buffers and unsharded parameters load as
-    ``load_state_dict`` would. Every parameter fully_shard manages must have
-    an entry; other missing or unexpected keys are let be (``strict=False``)."""
+    ``load_state_dict`` would, and its missing and unexpected keys are
+    returned, or raised with ``strict=True``. Every parameter fully_shard
+    manages must have an entry either way."""
     _root_state(module)
     units = _units(module)
     keys = _keys_of_units(module, units)
@@ -359,7 +360,7 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor])
                 raise KeyError(f"pydist load_full_state_dict: no entry for parameter {fp.fqn!r} "
                                f"(keys {keys.get(id(fp), [])}) of unit {pg.label!r}")
     with torch.no_grad():
-        module.load_state_dict(state_dict, strict=False)
+        return module.load_state_dict(state_dict, strict=strict)
 
 
 # --------------------------------------------------------------------------

@@ -206,3 +206,45 @@ def test_fsdp1_state_dicts_give_buffers_the_dtype_torch_does():
                     where = f"rank {rank} {layout} {kind}: {name}"
                     assert got[name].dtype == ref[name].dtype, f"{where} is {got[name].dtype}, torch's {ref[name].dtype}"
                     assert torch.equal(got[name], ref[name]), f"{where} differs from torch FSDP1's"
+
+
+class _Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _strict_load_rank(rank, world_size, _unused):
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    import pydist
+
+    out = {}
+    for impl in ("torch", "pydist"):
+        torch.manual_seed(0)
+        if impl == "torch":
+            model = TorchFSDP(_Normed(), device_id=torch.device("cpu"), use_orig_params=True)
+        else:
+            model = pydist.FullyShardedDataParallel(_Normed())
+        model(torch.randn(3, 4)).sum().backward()
+        sd = {k: v for k, v in model.state_dict().items() if "running" not in k}  # no BatchNorm statistics
+        sd["extra.weight"] = torch.zeros(1)
+        try:
+            model.load_state_dict(sd)
+            out[impl, "strict"] = "no error"
+        except RuntimeError as exc:
+            out[impl, "strict"] = str(exc).split(":\n")[-1]  # the keys, without the wrapper's name
+        keys = model.load_state_dict(sd, strict=False)
+        out[impl, "loose"] = (sorted(keys.missing_keys), sorted(keys.unexpected_keys))
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_fsdp1_load_state_dict_strict_names_missing_and_unexpected_keys_as_torch():
+    for rank, out in enumerate(run_ranks(_strict_load_rank, 2, args=(None,), timeout=80)):
+        assert "running_mean" in out["torch", "strict"] and "extra.weight" in out["torch", "strict"]
+        assert out["pydist", "strict"] == out["torch", "strict"], f"rank {rank}: {out['pydist', 'strict']}"
+        assert out["pydist", "loose"] == out["torch", "loose"], f"rank {rank}: {out['pydist', 'loose']}"
