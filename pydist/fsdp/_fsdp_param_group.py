@@ -409,6 +409,29 @@ class FSDPParamGroup:
         self.reshard()
         self.training_state = TrainingState.IDLE
 
+    def has_pending_grads(self) -> bool:
+        """Whether gradients of earlier backwards wait to be reduced (gradient
+        sync was off)."""
+        return any(fp.accumulated_grad is not None
+                   or (fp.unsharded_param is not None and fp.unsharded_param.grad is not None)
+                   for fp in self._trainable)
+
+    def sync_requires_grad(self) -> None:
+        """Takes up ``requires_grad`` switched on the parameters the optimizer
+        sees (``model.parameters()``) since the last forward: the unsharded
+        parameter autograd uses follows, and so does what the unit reduces."""
+        changed = False
+        for fp in self.fsdp_params:
+            wanted = fp.sharded_param.requires_grad
+            if wanted != fp.requires_grad:
+                fp.requires_grad = wanted
+                if fp.unsharded_param is not None and fp.unsharded_param is not fp.sharded_param:
+                    fp.unsharded_param.requires_grad_(wanted)
+                changed = True
+        if changed:
+            self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+            self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+
     # --- helpers -------------------------------------------------------------
 
     def _check_transport(self, where: str) -> None:

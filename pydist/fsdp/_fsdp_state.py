@@ -165,6 +165,7 @@ class FSDPState:
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.records = []
+                state.param_group.sync_requires_grad()
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
@@ -181,6 +182,13 @@ class FSDPState:
             if state.param_group.training_state != TrainingState.POST_BACKWARD:
                 self.late_posters.add(id(state))
                 state.param_group.post_backward()
+        # A unit this forward skipped that holds gradients of earlier
+        # backwards under set_requires_gradient_sync(False) reduces them
+        # now, in this synced backward, as torch's FSDP2 does.
+        for state in self.all_states:
+            pg = state.param_group
+            if pg is not None and id(state) not in seen and pg.requires_gradient_sync and pg.has_pending_grads():
+                pg.post_backward()
         for batch in self.grad_batches:
             batch.launch()  # those some member never reached (a unit skipped this backward)
         self.grad_batches = []
@@ -197,10 +205,16 @@ class FSDPState:
         root = self.root
         if self.is_root:
             self._root_pre_forward()
+        pg = self.param_group
+        if pg is not None and pg.training_state == TrainingState.PRE_BACKWARD:
+            # Activation checkpointing recomputing the unit's forward in its
+            # backward: the pre-backward hook unsharded it, and nothing of a
+            # forward (order, post-backward hooks, resharding) applies. As
+            # torch's FSDP2, which skips its input casts here too.
+            return args, kwargs
         mp = self.mp_policy
         if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
-        pg = self.param_group
         if pg is None:
             return args, kwargs
         if torch.is_grad_enabled() and self.forward_iteration == root.iteration:
@@ -225,6 +239,8 @@ class FSDPState:
 
     def _post_forward(self, module, args, output):
         pg = self.param_group
+        if pg is not None and pg.training_state == TrainingState.PRE_BACKWARD:
+            return output  # a recompute in backward: see _pre_forward
         if pg is not None:
             # The root keeps its parameters for backward, unless there is none.
             reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())

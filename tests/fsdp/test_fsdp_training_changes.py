@@ -1,0 +1,149 @@
+"""What a training loop changes between steps, against torch's FSDP2 on the
+same seeds and data at 2 ranks, bitwise: a unit that ran in a no-sync
+micro-batch but not in the synced one (its accumulated gradient is reduced
+in that step, as torch does), and ``requires_grad`` switched on the
+parameters ``model.parameters()`` gives, after ``fully_shard``."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist.spawn import run_ranks
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8, n: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)) for _ in range(n)])
+        self.out = nn.Linear(d, 2)
+        self.skip: tuple = ()
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                x = block(x)
+        return self.out(x)
+
+
+def _build(impl: str, world_size: int, mixed: bool):
+    import pydist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    shard = torch_fully_shard if impl == "torch" else pydist.fully_shard
+    kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
+    if mixed:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        shard(block, **kwargs)
+    return shard(model, **kwargs)
+
+
+def _full(impl: str, model) -> dict:
+    import pydist
+
+    if impl == "torch":
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return {k: v.clone() for k, v in pydist.fsdp.full_state_dict(model).items()}
+
+
+# Each step: (what changes before it, micro-batches as (units skipped, sync)).
+SCENARIOS = {
+    "skipped_in_synced_micro_batch": [(None, [((), True)]), (None, [((), False), ((1,), True)]), (None, [((), True)])],
+    "frozen_before_first_forward": [("freeze", [((), True)]), (None, [((), True)])],
+    "frozen_after_a_step": [(None, [((), True)]), ("freeze", [((), True)]), (None, [((), True)])],
+    "unfrozen_after_a_step": [("freeze_at_wrap", [((), True)]), ("unfreeze", [((), True)]), (None, [((), True)])],
+}
+
+
+def _run(rank, world_size, impl, scenario, mixed):
+    model = _build(impl, world_size, mixed)
+    weight = model.blocks[0][0].weight  # what model.parameters() gives for it
+    steps = SCENARIOS[scenario]
+    if steps[0][0] == "freeze_at_wrap":
+        weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    log = []
+    for change, micro_batches in steps:
+        if change in ("freeze", "unfreeze"):
+            weight.requires_grad_(change == "unfreeze")
+        for skip, sync in micro_batches:
+            model.skip = skip
+            model.set_requires_gradient_sync(sync)
+            model(torch.randn(4, 8, generator=gen)).float().pow(2).sum().backward()
+        log.append(tuple(n for n, p in model.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+    return _full(impl, model), log
+
+
+def _both(rank, world_size, scenario, mixed):
+    return {impl: _run(rank, world_size, impl, scenario, mixed) for impl in ("torch", "pydist")}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("scenario,mixed", [("skipped_in_synced_micro_batch", False),
+                                            ("skipped_in_synced_micro_batch", True),
+                                            ("frozen_before_first_forward", False), ("frozen_after_a_step", False),
+                                            ("unfrozen_after_a_step", False)])
+def test_bitwise_torch_fsdp2(scenario, mixed):
+    for rank, out in enumerate(run_ranks(_both, 2, args=(scenario, mixed), timeout=140)):
+        (ref, ref_log), (got, got_log) = out["torch"], out["pydist"]
+        assert got_log == ref_log, f"rank {rank}: parameters without .grad per step: torch {ref_log}, pydist {got_log}"
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), f"rank {rank}: {k} differs by {(got[k] - ref[k]).abs().max().item()}"
+
+
+class Checkpointed(nn.Module):
+    """Each block, a unit, under non-reentrant activation checkpointing: its
+    forward runs again in backward."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(3)])
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def _checkpointed(rank, world_size):
+    import pydist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out = {}
+    for impl in ("torch", "pydist"):
+        torch.manual_seed(0)
+        model = Checkpointed()
+        shard = torch_fully_shard if impl == "torch" else pydist.fully_shard
+        kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
+        for block in model.blocks:
+            shard(block, **kwargs)
+        shard(model, **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out[impl] = _full(impl, model)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_activation_checkpointing_around_units_bitwise_torch_fsdp2():
+    for rank, out in enumerate(run_ranks(_checkpointed, 2, timeout=110)):
+        for k, ref in out["torch"].items():
+            assert torch.equal(out["pydist"][k], ref), f"rank {rank}: {k} differs from torch FSDP2's"
