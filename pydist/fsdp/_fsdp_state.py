@@ -27,8 +27,9 @@ does once per iteration.
     final callback       post-backward for the units autograd never told (the
                          root, a first unit whose inputs need no grad), in
                          reverse forward order; launch what batches remain; then
-                         every unit waits for its reduce-scatter and hands the
-                         shards their .grad, so the optimizer sees finished
+                         each batch waits for its reduce-scatter once and hands
+                         its units' shards their .grad, and every unit reduced
+                         alone does the same, so the optimizer sees finished
                          gradients when backward() returns
 See [Note: gather and reduce plans] for the batches.
 Every rank goes through the same steps in the same order for the same
@@ -181,9 +182,11 @@ class FSDPState:
             if state.param_group.training_state != TrainingState.POST_BACKWARD:
                 self.late_posters.add(id(state))
                 state.param_group.post_backward()
-        for batch in self.grad_batches:
+        batches, self.grad_batches = self.grad_batches, []
+        for batch in batches:
             batch.launch()  # those some member never reached (a unit skipped this backward)
-        self.grad_batches = []
+        for batch in batches:
+            batch.finalize()  # one wait per batch; its members' shards get their .grad
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.finalize_backward()

@@ -88,12 +88,12 @@ def _collectives_rank(rank, world_size, shm):
     # reduce-scatter of a unit laid out as [g0 (6), gap (3), g1 (4)] + padding
     g0 = torch.full((2, 3), float(rank + 1))
     g1 = torch.arange(4, dtype=torch.float32) * (rank + 1)
-    segs = [collectives.Segment(0, 6, [g0]), collectives.Segment(6, 3, None), collectives.Segment(9, 4, [g1])]
+    grads, numels = [g0, None, g1], [6, 3, 4]
     shard_numel = -(-13 // world_size)
-    rs = collectives.reduce_scatter_grads(t, segs, shard_numel * world_size, shard_numel, torch.float32)
+    rs = collectives.reduce_scatter_grads(t, grads, numels, shard_numel, torch.float32)
     rs.future.wait()
     out["rs"] = rs.output
-    ar = collectives.all_reduce_grads(t, segs, 13, torch.float32)
+    ar = collectives.all_reduce_grads(t, grads, numels, 13, torch.float32)
     ar.future.wait()
     out["ar"] = ar.output
     out["sum"] = collectives.all_reduce_sum(t, torch.tensor([float(rank + 1)]))
