@@ -223,6 +223,12 @@ class FSDPState:
             if target.param_group is not None:
                 target.param_group.unshard("forward_prefetch")
         if torch.is_grad_enabled():
+            # See [Note: how a unit learns its backward is done].
+            if not kwargs and len(args) == 1:
+                hook = getattr(args[0], "_pydist_output_hook", None)
+                if hook is not None and hook.iteration == root.iteration and not hook.fired:
+                    hook.post_units.append(pg)
+                    return args, kwargs
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
@@ -241,20 +247,30 @@ class FSDPState:
         if torch.is_grad_enabled():
             if isinstance(output, torch.Tensor):
                 if output.requires_grad:
-                    output.register_hook(self._pre_backward)
+                    self._hook_output(output)
                 return output
             flat, _ = tree_flatten(output)
             for t in flat:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    self._hook_output(t)
         return output
+
+    def _hook_output(self, t: torch.Tensor) -> None:
+        """Hooks one output tensor: see [Note: how a unit learns its backward is done]."""
+        hook = _OutputHook(self, self.root.iteration)
+        t.register_hook(hook)
+        t._pydist_output_hook = hook  # the latest unit's hook when several units return the same tensor
+
+    def _begin_backward(self) -> None:
+        """Root, at the first backward hook of an iteration: the final callback and the plans."""
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
+        self._plan_backward()
 
     def _pre_backward(self, grad):
         root = self.root
         if not root.final_callback_queued:
-            root.final_callback_queued = True
-            Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
-            root._plan_backward()
+            root._begin_backward()
         pg = self.param_group
         if pg is None or pg.training_state == TrainingState.PRE_BACKWARD:
             return grad
@@ -379,6 +395,49 @@ def _cast_floating(tree, dtype: torch.dtype):
     flat, spec = tree_flatten(tree)
     flat = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t for t in flat]
     return tree_unflatten(flat, spec)
+
+
+# [Note: how a unit learns its backward is done]
+# A unit's post-backward (pack and reduce its gradients, reshard) must run
+# once its backward is done, at the same point on every rank: when the
+# gradients of its inputs exist. torch's FSDP2 wraps the inputs in an
+# identity autograd Function (RegisterPostBackwardFunction below) whose
+# backward is that point; applying one costs a Python autograd Function per
+# unit per forward. Most units' one input is the previous unit's output,
+# which already carries that unit's pre-backward hook (an _OutputHook: its
+# gradient there is complete once every use of it has run its backward,
+# this unit's included). Such a unit joins that hook's post_units instead:
+# the hook runs their post-backward, then its own unit's pre-backward (as
+# the Function's backward would run just before the previous unit's hook).
+# The point is as deterministic (the graph's structure, the same on every
+# rank) and no earlier than the Function's: later only where the tensor has
+# other uses beyond the unit (a residual around it), whose backward then
+# comes first. Inputs that are not one hooked tensor of this iteration (the
+# first unit's, keyword arguments, several tensors, inputs cast by a
+# MixedPrecisionPolicy) take the Function.
+
+
+class _OutputHook:
+    """The hook on a tensor a unit returned: the unit's pre-backward, after
+    the post-backward of the units that took the tensor as their one input.
+    See [Note: how a unit learns its backward is done]."""
+
+    __slots__ = ("state", "iteration", "post_units", "fired")
+
+    def __init__(self, state: FSDPState, iteration: int):
+        self.state = state  # the unit that returned the tensor
+        self.iteration = iteration  # the root forward it was registered in
+        self.post_units: list[FSDPParamGroup] = []  # units whose one input the tensor is
+        self.fired = False  # once fired, units joining would never be told
+
+    def __call__(self, grad):
+        self.fired = True
+        root = self.state.root
+        if not root.final_callback_queued:
+            root._begin_backward()  # the reduce plan must exist before a post-backward packs
+        for pg in self.post_units:
+            pg.post_backward()
+        return self.state._pre_backward(grad)
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
