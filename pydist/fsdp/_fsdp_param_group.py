@@ -209,8 +209,13 @@ class FSDPParamGroup:
         # (issued_ns, phase) for its record.
         self._unshard_future = None
         self._unshard_issue: tuple[int, str] = (0, "")
-        # This iteration's collectives (the root clears them at its pre-forward).
-        self.records: list[CollectiveRecord] = []
+        # This iteration's collectives (the root clears them at its pre-forward),
+        # as flat (kind, phase, issued, needed, completed) runs: strings and
+        # ints, which the garbage collector does not track, where a
+        # CollectiveRecord per collective would be three tracked objects per
+        # unit per iteration that live on into the next (and make Python's
+        # full collections come more often). ``records`` builds them.
+        self._timings: list = []
         # The reduce-scatter started in post_backward, waited in finalize_backward,
         # and when it was started.
         self._reduce: collectives.ReduceScatterResult | None = None
@@ -250,7 +255,7 @@ class FSDPParamGroup:
         completed = self._unshard_future.wait()
         self._unshard_future = None
         issued, phase = self._unshard_issue
-        self.records.append(CollectiveRecord(self.label, "all_gather", phase, issued, needed, completed))
+        self._timings += ("all_gather", phase, issued, needed, completed)
 
     def wait_for_unshard(self, phase: str = "explicit") -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
@@ -392,7 +397,7 @@ class FSDPParamGroup:
             needed = time.monotonic_ns()
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
-            self.records.append(CollectiveRecord(self.label, kind, "backward", self._reduce_issued, needed, completed))
+            self._timings += (kind, "backward", self._reduce_issued, needed, completed)
             self._hand_out_grads(reduce.output)
         self.reshard()
         self.training_state = TrainingState.IDLE
@@ -404,6 +409,15 @@ class FSDPParamGroup:
                                  [grads[fp._grad_index] for fp in self._trainable])
 
     # --- helpers -------------------------------------------------------------
+
+    @property
+    def records(self) -> list[CollectiveRecord]:
+        """This iteration's collectives so far, in the order they were waited on."""
+        t = self._timings
+        return [CollectiveRecord(self.label, *t[i:i + 5]) for i in range(0, len(t), 5)]
+
+    def clear_records(self) -> None:
+        self._timings.clear()
 
     def _check_transport(self, where: str) -> None:
         if self.transport is None:
@@ -525,5 +539,5 @@ class GradBatch:
             for pg in self.arrived:
                 pg._hand_out_grads(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
         for pg in self.arrived:
-            pg.records.append(CollectiveRecord(pg.label, "reduce_scatter", "backward", self.issued_ns, needed, completed))
+            pg._timings += ("reduce_scatter", "backward", self.issued_ns, needed, completed)
         self.input = self.output = None

@@ -67,6 +67,7 @@ its own, one unit ahead.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -118,6 +119,11 @@ class FSDPState:
         self.forward_iteration = -1
         self.final_callback_queued = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
+        # Root only, during its forward: the tensor a unit's post-forward hooked
+        # last, and its hook (see [Note: how a unit learns its backward is
+        # done]); dropped at the root's post-forward, so no tensor outlives it here.
+        self._last_hooked: torch.Tensor | None = None
+        self._last_hook: _OutputHook | None = None
         # Root only: see [Note: gather and reduce plans]. How many unsharded
         # bytes go as one collective; this iteration's forward and backward
         # gather plans (None: no plan); the reduce batches of this backward;
@@ -165,7 +171,7 @@ class FSDPState:
         self.backward_end_ns = -1
         for state in self.all_states:
             if state.param_group is not None:
-                state.param_group.records = []
+                state.param_group.clear_records()
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
@@ -224,10 +230,10 @@ class FSDPState:
                 target.param_group.unshard("forward_prefetch")
         if torch.is_grad_enabled():
             # See [Note: how a unit learns its backward is done].
-            if not kwargs and len(args) == 1:
-                hook = getattr(args[0], "_pydist_output_hook", None)
-                if hook is not None and hook.iteration == root.iteration and not hook.fired:
-                    hook.post_units.append(pg)
+            if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
+                hook = root._last_hook
+                if not hook.fired:
+                    hook.join(pg)
                     return args, kwargs
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -239,6 +245,7 @@ class FSDPState:
             reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
             pg.post_forward(reshard)
         if self.is_root:
+            self._last_hooked = self._last_hook = None
             for state in self.all_states:  # gathered ahead for a forward that did not come
                 if state.param_group is not None and state.param_group.gathered_ahead:
                     state.param_group.reshard()
@@ -257,9 +264,17 @@ class FSDPState:
 
     def _hook_output(self, t: torch.Tensor) -> None:
         """Hooks one output tensor: see [Note: how a unit learns its backward is done]."""
-        hook = _OutputHook(self, self.root.iteration)
-        t.register_hook(hook)
-        t._pydist_output_hook = hook  # the latest unit's hook when several units return the same tensor
+        hook = _OutputHook(self)
+        if t._backward_hooks is None and t.grad_fn is not None:
+            # Tensor.register_hook without the RemovableHandle (never removed):
+            # two objects fewer per unit and iteration for the garbage collector.
+            t._backward_hooks = hooks = OrderedDict()
+            t.grad_fn._register_hook_dict(t)
+            hooks[-1] = hook  # RemovableHandle ids count up from 0
+        else:
+            t.register_hook(hook)
+        if not self.is_root:  # the root's output feeds no unit; kept, it would outlive the forward
+            self.root._last_hooked, self.root._last_hook = t, hook
 
     def _begin_backward(self) -> None:
         """Root, at the first backward hook of an iteration: the final callback and the plans."""
@@ -422,21 +437,34 @@ class _OutputHook:
     the post-backward of the units that took the tensor as their one input.
     See [Note: how a unit learns its backward is done]."""
 
-    __slots__ = ("state", "iteration", "post_units", "fired")
+    __slots__ = ("state", "post_unit", "more_post_units", "fired")
 
-    def __init__(self, state: FSDPState, iteration: int):
+    def __init__(self, state: FSDPState):
         self.state = state  # the unit that returned the tensor
-        self.iteration = iteration  # the root forward it was registered in
-        self.post_units: list[FSDPParamGroup] = []  # units whose one input the tensor is
+        # The units whose one input the tensor is: the first, then a list of
+        # the others (usually none: one object fewer per unit and iteration).
+        self.post_unit: FSDPParamGroup | None = None
+        self.more_post_units: list[FSDPParamGroup] | None = None
         self.fired = False  # once fired, units joining would never be told
+
+    def join(self, pg: FSDPParamGroup) -> None:
+        if self.post_unit is None:
+            self.post_unit = pg
+        elif self.more_post_units is None:
+            self.more_post_units = [pg]
+        else:
+            self.more_post_units.append(pg)
 
     def __call__(self, grad):
         self.fired = True
         root = self.state.root
         if not root.final_callback_queued:
             root._begin_backward()  # the reduce plan must exist before a post-backward packs
-        for pg in self.post_units:
-            pg.post_backward()
+        if self.post_unit is not None:
+            self.post_unit.post_backward()
+            if self.more_post_units is not None:
+                for pg in self.more_post_units:
+                    pg.post_backward()
         return self.state._pre_backward(grad)
 
 
