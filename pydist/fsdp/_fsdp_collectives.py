@@ -160,13 +160,13 @@ def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: Sequenc
     return UnitsGather(transport.all_gather(joined, gathered), joined, gathered, tuple(outputs), list(rank_views))
 
 
-def _copy_scale(transport) -> float:
+def copy_scale(transport) -> float:
     """The scale folded into the packing copy: 1 where the transport applies
     1/N itself, else 1/N. See [Note: where the 1/N goes]."""
     return 1.0 if transport.applies_scale else 1.0 / transport.world_size
 
 
-def _transport_scale(transport) -> float:
+def transport_scale(transport) -> float:
     """The scale handed to the transport: 1/N where it applies it, else 1 (the packing did)."""
     return 1.0 / transport.world_size if transport.applies_scale else 1.0
 
@@ -179,7 +179,7 @@ def pack_unit_grads(transport, grads: Sequence[torch.Tensor | None], numels: Seq
     C++ pass (``pydist._C.pack_rank_major``); ``reference_pack_unit_grads``
     is its oracle. See [Note: packing a unit into a rank-major reduce-scatter
     input] in csrc/reducer/bucket.h."""
-    _C.pack_rank_major(grads, numels, out, world_size, column, shard_numel, _copy_scale(transport))
+    _C.pack_rank_major(grads, numels, out, world_size, column, shard_numel, copy_scale(transport))
 
 
 def reference_pack_unit_grads(grads: Sequence[torch.Tensor | None], numels: Sequence[int], out: torch.Tensor,
@@ -211,7 +211,7 @@ def reduce_scatter_grads(transport, grads: Sequence[torch.Tensor | None], numels
     rs_input = torch.empty(world_size * shard_numel, dtype=dtype)
     pack_unit_grads(transport, grads, numels, rs_input, world_size, 0, shard_numel)
     rs_output = torch.empty(shard_numel, dtype=dtype)
-    future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
+    future = transport.reduce_scatter(rs_input, rs_output, transport_scale(transport))
     return ReduceScatterResult(future, rs_input, rs_output)
 
 
@@ -221,7 +221,7 @@ def all_reduce_grads(transport, grads: Sequence[torch.Tensor | None], numels: Se
     over the ranks; ``output`` is the whole averaged flat."""
     flat = torch.empty(numel, dtype=dtype)
     pack_unit_grads(transport, grads, numels, flat, 1, 0, numel)
-    future = transport.all_reduce(flat, _transport_scale(transport))
+    future = transport.all_reduce(flat, transport_scale(transport))
     return ReduceScatterResult(future, flat, flat)
 
 

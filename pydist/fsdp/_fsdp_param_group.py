@@ -364,7 +364,8 @@ class FSDPParamGroup:
                 fp.accumulated_grad = None
                 if fp.unsharded_param is not None:
                     fp.unsharded_param.grad = None
-        self._reshard_after_backward()
+        if self.reshard_after_backward:
+            self.reshard()
 
     def _reshard_after_backward(self) -> None:
         if self.reshard_after_backward:
@@ -376,7 +377,10 @@ class FSDPParamGroup:
         if self._all_trainable:  # the common case: every gradient there, as it is
             grads = [fp.grad_to_reduce() for fp in self.fsdp_params]
             dtype = self.reduce_dtype
-            if all(g is not None and g.dtype == dtype and g.is_contiguous() for g in grads):
+            for g in grads:
+                if g is None or g.dtype != dtype or not g.is_contiguous():
+                    break
+            else:
                 return grads
         grads = []
         for fp in self.fsdp_params:
@@ -478,6 +482,9 @@ class GradBatch:
             row += pg.shard_numel
         self.row = row
         self.world_size = members[0].shard_world_size
+        transport = members[0].transport
+        self.copy_scale = collectives.copy_scale(transport)  # see [Note: where the 1/N goes]
+        self.transport_scale = collectives.transport_scale(transport)
         self.input: torch.Tensor | None = None  # allocated at the first member's arrival
         self.arrived: list[FSDPParamGroup] = []  # arrival order
         self.launched = False
@@ -488,8 +495,8 @@ class GradBatch:
     def add(self, pg: FSDPParamGroup, grads: list) -> None:
         if self.input is None:
             self.input = torch.empty(self.world_size * self.row, dtype=pg.reduce_dtype)
-        collectives.pack_unit_grads(pg.transport, grads, pg._numels, self.input, self.world_size,
-                                    self.columns[id(pg)], pg.shard_numel)
+        _C.pack_rank_major(grads, pg._numels, self.input, self.world_size, self.columns[id(pg)], pg.shard_numel,
+                           self.copy_scale)  # collectives.pack_unit_grads, its scale computed once
         self.arrived.append(pg)
         if len(self.arrived) == len(self.members):
             self.launch()
@@ -508,7 +515,7 @@ class GradBatch:
         transport = self.arrived[0].transport
         self.output = torch.empty(self.row, dtype=self.input.dtype)
         self.issued_ns = time.monotonic_ns()
-        self.future = transport.reduce_scatter(self.input, self.output, collectives._transport_scale(transport))
+        self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
         for pg in self.arrived:
             pg._reduce_issued = self.issued_ns
 
