@@ -163,7 +163,7 @@ class Gated(nn.Module):
 
 
 def _some_ranks_rank(rank, world_size, batch_bytes):
-    import torch.distributed as dist
+    from test_fsdp_units import step_on_averaged_grads
 
     from pydist import fully_shard
     from pydist.fsdp import full_state_dict, last_iteration_record
@@ -190,14 +190,7 @@ def _some_ranks_rank(rank, world_size, batch_bytes):
         opt.step()
         opt.zero_grad()
         plain(x.detach().requires_grad_()).sum().backward()
-        every = [None] * world_size
-        dist.all_gather_object(every, {n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                                       for n, p in plain.named_parameters()})
-        with torch.no_grad():
-            for n, p in plain.named_parameters():
-                p.grad = sum(e[n] / world_size for e in every)
-        plain_opt.step()
-        plain_opt.zero_grad()
+        step_on_averaged_grads(plain, plain_opt, world_size)
     got = full_state_dict(model)
     scatters = [r for r in last_iteration_record(model).collectives if r.kind == "reduce_scatter"]
     return {"match": {n: torch.equal(p.detach(), got[n]) for n, p in plain.named_parameters()},
