@@ -160,6 +160,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_record_timing", &Reducer::set_record_timing, py::arg("on"), py::arg("keep") = pydist::kDefaultRecordsKept)
       .def("set_average_divisor", &Reducer::set_average_divisor);
 
+  // pydist/fsdp's gradient copies: csrc/reducer/bucket.h, [Note: packing a
+  // unit into a rank-major reduce-scatter input].
+  m.def("pack_rank_major", &pydist::pack_rank_major, py::arg("grads"), py::arg("numels"), py::arg("out"),
+        py::arg("world_size"), py::arg("column"), py::arg("shard_numel"), py::arg("scale") = 1.0, nogil,
+        "Writes a unit's gradients (None: zeros), times scale, into its column of a rank-major reduce-scatter input");
+  m.def("accumulate_into_grads", &pydist::accumulate_into_grads, py::arg("params"), py::arg("grads"),
+        "Each grads[i] becomes params[i].grad, or is added to it");
+
   m.def("streaming_isa", &pydist::ops::streaming_isa,
         "instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)");
 }

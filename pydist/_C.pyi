@@ -160,5 +160,23 @@ class Reducer:
     @property
     def transport(self) -> Transport: ...
 
+# --- a sharded unit's gradients (csrc/reducer/bucket.h) ------------------------
+
+def pack_rank_major(
+    grads: Sequence[torch.Tensor | None],
+    numels: Sequence[int],
+    out: torch.Tensor,
+    world_size: int,
+    column: int,
+    shard_numel: int,
+    scale: float = 1.0,
+) -> None:
+    """Writes a unit's flat gradient layout (None: zeros; zero padding to
+    world_size * shard_numel), times scale, into its column of the rank-major
+    ``out``: element e at ``out[(e // shard_numel) * row + column + e % shard_numel]``."""
+
+def accumulate_into_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """Each ``grads[i]`` becomes ``params[i].grad`` (viewed in its shape), or is added to the one it has."""
+
 def streaming_isa() -> str:
     """Instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)."""

@@ -5,6 +5,12 @@
 #include "reducer/grad_placement.h"
 
 #include "ops/flatten.h"
+#include "ops/scaled_copy.h"
+
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
+#include <cstring>
 
 namespace pydist {
 
@@ -77,6 +83,79 @@ void reset_for_iteration(Bucket& bucket) {
   BucketRecord& record = bucket.record;
   record.first_grad_ns = record.last_grad_ns = record.launch_ns = record.complete_ns = record.done_ns = -1;
   for (ChunkRecord& chunk : record.chunks) chunk.launch_ns = chunk.complete_ns = -1;
+}
+
+// --- a sharded unit's gradients ------------------------------------------------
+
+void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const std::vector<int64_t>& numels,
+                     const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel, double scale) {
+  TORCH_CHECK(out.is_cpu() && out.dim() == 1 && out.is_contiguous(),
+              "pack_rank_major: out must be a contiguous 1-D CPU tensor, got ", out.sizes(), " on ", out.device());
+  TORCH_CHECK(world_size >= 1 && out.numel() % world_size == 0, "pack_rank_major: out has ", out.numel(),
+              " elements, not world_size (", world_size, ") rows");
+  TORCH_CHECK(grads.size() == numels.size(), "pack_rank_major: ", grads.size(), " grads but ", numels.size(), " numels");
+  const int64_t row = out.numel() / world_size;
+  TORCH_CHECK(shard_numel >= 0 && column >= 0 && column + shard_numel <= row, "pack_rank_major: column ", column,
+              " + shard_numel ", shard_numel, " does not fit a row of ", row);
+  int64_t total = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    TORCH_CHECK(numels[i] >= 0, "pack_rank_major: numels[", i, "] is ", numels[i]);
+    total += numels[i];
+    if (!grads[i].has_value() || !grads[i]->defined()) continue;
+    const at::Tensor& g = *grads[i];
+    TORCH_CHECK(g.is_cpu() && g.is_contiguous() && g.scalar_type() == out.scalar_type() && g.numel() == numels[i],
+                "pack_rank_major: grads[", i, "] is ", g.scalar_type(), g.sizes(), " on ", g.device(),
+                g.is_contiguous() ? "" : " (not contiguous)", "; a contiguous CPU ", out.scalar_type(), " tensor of ",
+                numels[i], " elements expected");
+  }
+  TORCH_CHECK(total <= world_size * shard_numel, "pack_rank_major: ", total, " elements do not fit ", world_size,
+              " shards of ", shard_numel);
+  if (shard_numel == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "pack_rank_major", [&] {
+    scalar_t* base = out.data_ptr<scalar_t>();
+    // Elements [start, start + n) of the layout from `src` (nullptr: zeros),
+    // cut at shard boundaries.
+    auto emit = [&](int64_t start, int64_t n, const scalar_t* src) {
+      while (n > 0) {
+        const int64_t len = std::min(n, shard_numel - start % shard_numel);
+        scalar_t* dst = base + (start / shard_numel) * row + column + start % shard_numel;
+        if (src == nullptr) {
+          std::memset(dst, 0, static_cast<size_t>(len) * sizeof(scalar_t));
+        } else if (scale == 1.0) {
+          std::memcpy(dst, src, static_cast<size_t>(len) * sizeof(scalar_t));
+        } else {
+          ops::scaled_copy(dst, src, len, scale);
+        }
+        start += len;
+        n -= len;
+        if (src != nullptr) src += len;
+      }
+    };
+    int64_t at_element = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const bool present = grads[i].has_value() && grads[i]->defined();
+      emit(at_element, numels[i], present ? grads[i]->const_data_ptr<scalar_t>() : nullptr);
+      at_element += numels[i];
+    }
+    emit(at_element, world_size * shard_numel - at_element, nullptr);
+  });
+}
+
+void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK(params.size() == grads.size(), "accumulate_into_grads: ", params.size(), " params but ", grads.size(),
+              " grads");
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].numel() == grads[i].numel() && params[i].scalar_type() == grads[i].scalar_type(),
+                "accumulate_into_grads: grads[", i, "] is ", grads[i].scalar_type(), grads[i].sizes(),
+                ", its parameter ", params[i].scalar_type(), params[i].sizes());
+    at::Tensor& grad = params[i].mutable_grad();
+    if (grad.defined()) {
+      grad.add_(grads[i]);
+    } else {
+      grad = grads[i].view(params[i].sizes());
+    }
+  }
 }
 
 // --- gradient placements --------------------------------------------------------

@@ -80,4 +80,37 @@ void split_into_chunks(Bucket& bucket, int64_t chunk_bytes);
 // Readies the bucket's chunks and record for another iteration.
 void reset_for_iteration(Bucket& bucket);
 
+// --- a sharded unit's gradients (pydist/fsdp) ----------------------------------
+//
+// [Note: packing a unit into a rank-major reduce-scatter input]
+// A sharded unit's gradients form its flat layout: grads[i] (numels[i]
+// elements; undefined: zeros) end to end, then zeros up to
+// world_size * shard_numel. Shard q of that layout, [q * shard_numel,
+// (q + 1) * shard_numel), is what rank q receives the sum of. Several units
+// reduce-scattered as one collective put their shards side by side in each
+// rank's row of one rank-major input: row q = [unit a's shard q, unit b's
+// shard q, ...]. pack_rank_major writes one unit's layout straight into its
+// column of those rows (a gradient that straddles a shard boundary is cut
+// there: at most world_size pieces), times `scale`: one pass over each
+// gradient byte, where packing the unit alone and then interleaving the
+// units would be two. A lone unit is the case of one column (row length
+// shard_numel: the padded flat layout itself); NO_SHARD's all-reduce input
+// is world_size 1. Each element is scaled by ops::scaled_copy, as
+// flatten_into scales it, so the bits are those of flatten_into(scale).
+
+// Writes the unit's flat layout times `scale` into `out` (contiguous 1-D CPU,
+// world_size rows of out.numel() / world_size): flat element e lands at
+// out[(e / shard_numel) * row + column + e % shard_numel]. Requires every
+// defined grad to be contiguous, on the CPU, of out's dtype and numels[i]
+// elements, sum(numels) <= world_size * shard_numel and the column inside a
+// row. Called by pydist/fsdp's post-backward, once per unit and backward.
+void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const std::vector<int64_t>& numels,
+                     const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel, double scale);
+
+// For each i, grads[i] becomes params[i]'s .grad, or is added to the .grad it
+// has (grad mode off). Requires grads[i] to match params[i] in shape, dtype
+// and device (the caller made it so; unchecked per element beyond that).
+// Called by pydist/fsdp's finalize, once per reduce-scatter.
+void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
+
 }  // namespace pydist

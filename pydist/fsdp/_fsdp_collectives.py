@@ -6,9 +6,9 @@ csrc/transport/transport.h).
     transport = open_transport(group, shm=None)          # collective, once per root
     fut = all_gather_unit(transport, shard, unsharded)   # unshard one unit
     fut = all_gather_units(transport, shards, outputs)   # unshard several as one collective
-    rs = reduce_scatter_grads(transport, layout, grads, scale)   # post-backward
+    rs = reduce_scatter_grads(transport, grads, numels, shard_numel, dtype)  # post-backward, a lone unit
     rs.future.wait(); rs.output                          # this rank's summed shard
-    rss = reduce_scatter_units(transport, packed, shard_numels)  # several units as one collective
+    pack_unit_grads(transport, grads, numels, rs_input, world_size, column, shard_numel)  # into a batch's input
 
 [Note: which transport carries a sharded unit]
 On CPU, gloo runs each collective on the calling thread's behalf but inside
@@ -27,8 +27,8 @@ transports require.
 Gradients are averaged as torch's FSDP does, as the sum over ranks of
 ``g_r / N``. A transport that applies the scale in its own copies
 (``applies_scale``: shared memory) gets ``1/N`` and the packing copy
-multiplies by 1; otherwise the packing copy (``pydist.ops.flatten`` with
-``scale``, one fused C++ pass) multiplies by ``1/N`` and the process group
+multiplies by 1; otherwise the packing copy (``pack_unit_grads``, one C++
+pass with ``ops::scaled_copy``) multiplies by ``1/N`` and the process group
 sums what it gets. With two ranks ``g_0/2 + g_1/2`` is bitwise torch's
 ``AVG`` whichever way round (scaling by a power of two is exact).
 """
@@ -38,17 +38,16 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
-from pydist import ops
+from pydist import _C, ops
 from pydist import transport as pydist_transport
 
 __all__ = [
     "open_transport",
     "all_gather_unit",
     "all_gather_units",
-    "pack_grads",
     "pack_unit_grads",
+    "reference_pack_unit_grads",
     "reduce_scatter_grads",
-    "reduce_scatter_units",
     "all_reduce_grads",
     "ReduceScatterResult",
 ]
@@ -105,11 +104,14 @@ class UnshardResult(NamedTuple):
 #                    into rank-major [rank 0: s_a s_b ..., rank 1: s_a s_b ...],
 #                    and rank q's part of each unit copied into its unsharded
 #                    buffer at [q * s_u, (q + 1) * s_u) (one fused copy per rank);
-#   reduce-scatter   each unit's gradients are packed into its own padded flat
-#                    as for a lone unit, and rank q's shard of every unit
-#                    copied into the rank-major input (one fused copy per
-#                    rank); this rank's output is then [s_a s_b ...], the
-#                    units' reduced shards end to end, each unit's a view.
+#   reduce-scatter   the batch's input is rank-major [rank 0: s_a s_b ...,
+#                    rank 1: s_a s_b ...]; each unit's post-backward packs its
+#                    gradients straight into its column of every row (one pass
+#                    over each gradient byte, 1/N folded in: see [Note: packing
+#                    a unit into a rank-major reduce-scatter input] in
+#                    csrc/reducer/bucket.h); this rank's output is then
+#                    [s_a s_b ...], the units' reduced shards end to end, each
+#                    unit's a view.
 # Every element goes through the same arithmetic as unbatched (the sum of
 # g_r / N, term by term), so the results are bitwise those of one collective
 # per unit, which are torch FSDP2's at two ranks. A batch of one unit takes
@@ -158,88 +160,68 @@ def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: Sequenc
     return UnitsGather(transport.all_gather(joined, gathered), joined, gathered, tuple(outputs), list(rank_views))
 
 
-class Segment(NamedTuple):
-    """A run of the unit's flat layout: ``grads`` (None: zeros) packed at ``offset``."""
-
-    offset: int
-    numel: int
-    grads: list | None
+def copy_scale(transport) -> float:
+    """The scale folded into the packing copy: 1 where the transport applies
+    1/N itself, else 1/N. See [Note: where the 1/N goes]."""
+    return 1.0 if transport.applies_scale else 1.0 / transport.world_size
 
 
-def pack_grads(segments: Sequence[Segment], out: torch.Tensor, scale: float) -> None:
-    """Fills ``out`` (the unit's padded flat layout) with the segments' gradients
-    times ``scale`` (one fused copy per run of present gradients) and zeros
-    elsewhere (frozen or unused parameters, the padding at the end)."""
-    end = 0
-    for seg in segments:
-        view = out if seg.numel == out.numel() else out.narrow(0, seg.offset, seg.numel)
-        if seg.grads is None:
-            view.zero_()
-        else:
-            torch.ops.pydist.flatten_into(seg.grads, view, float(scale))  # ops.flatten(out=), per unit per step
-        end = seg.offset + seg.numel
-    if end < out.numel():
-        out.narrow(0, end, out.numel() - end).zero_()
-
-
-class ReduceScatterResult(NamedTuple):
-    """One unit's gradient reduce-scatter in flight."""
-
-    future: object  # pydist.transport.TransportFuture
-    input: torch.Tensor  # the packed gradients; must live until the future completes
-    output: torch.Tensor  # this rank's shard of the averaged gradients once it has
-    # ``output`` split as the unit asked (its parameters' parts), made once
-    # for a whole batch (reduce_scatter_units); None: the unit splits it.
-    pieces: list | None = None
-
-
-def pack_unit_grads(transport, segments: Sequence[Segment], padded_numel: int, dtype) -> torch.Tensor:
-    """The unit's reduce-scatter input: its gradients packed into its padded
-    flat layout, with the part of 1/N the transport does not apply itself
-    (see [Note: where the 1/N goes])."""
-    rs_input = torch.empty(padded_numel, dtype=dtype)
-    pack_grads(segments, rs_input, 1.0 if transport.applies_scale else 1.0 / transport.world_size)
-    return rs_input
-
-
-def _transport_scale(transport) -> float:
+def transport_scale(transport) -> float:
     """The scale handed to the transport: 1/N where it applies it, else 1 (the packing did)."""
     return 1.0 / transport.world_size if transport.applies_scale else 1.0
 
 
-def reduce_scatter_grads(transport, segments: Sequence[Segment], padded_numel: int, shard_numel: int, dtype) -> ReduceScatterResult:
-    """Packs the unit's gradients and starts reducing them, averaged over the
-    ranks, into this rank's shard. See [Note: where the 1/N goes]."""
-    rs_input = pack_unit_grads(transport, segments, padded_numel, dtype)
+def pack_unit_grads(transport, grads: Sequence[torch.Tensor | None], numels: Sequence[int], out: torch.Tensor,
+                    world_size: int, column: int, shard_numel: int) -> None:
+    """Writes one unit's gradients (``grads[i]``: ``numels[i]`` elements, in
+    ``out``'s dtype, contiguous; None: zeros), with the part of 1/N the
+    transport does not apply, into its column of the rank-major ``out``. One
+    C++ pass (``pydist._C.pack_rank_major``); ``reference_pack_unit_grads``
+    is its oracle. See [Note: packing a unit into a rank-major reduce-scatter
+    input] in csrc/reducer/bucket.h."""
+    _C.pack_rank_major(grads, numels, out, world_size, column, shard_numel, copy_scale(transport))
+
+
+def reference_pack_unit_grads(grads: Sequence[torch.Tensor | None], numels: Sequence[int], out: torch.Tensor,
+                              world_size: int, column: int, shard_numel: int, scale: float) -> None:
+    """The obviously-correct pack_unit_grads (pure torch): the unit's padded
+    flat layout, times ``scale``, then shard q into row q's column."""
+    flat = torch.zeros(world_size * shard_numel, dtype=out.dtype)
+    offset = 0
+    for grad, numel in zip(grads, numels):
+        if grad is not None:
+            flat[offset:offset + numel] = grad.reshape(-1).mul(scale)
+        offset += numel
+    out.view(world_size, -1)[:, column:column + shard_numel] = flat.view(world_size, shard_numel)
+
+
+class ReduceScatterResult(NamedTuple):
+    """One unit's gradient reduce-scatter (or NO_SHARD all-reduce) in flight."""
+
+    future: object  # pydist.transport.TransportFuture
+    input: torch.Tensor  # the packed gradients; must live until the future completes
+    output: torch.Tensor  # this rank's shard of the averaged gradients once it has
+
+
+def reduce_scatter_grads(transport, grads: Sequence[torch.Tensor | None], numels: Sequence[int], shard_numel: int,
+                         dtype) -> ReduceScatterResult:
+    """A lone unit: packs its gradients into its padded flat layout and
+    starts reducing them, averaged over the ranks, into this rank's shard."""
+    world_size = transport.world_size
+    rs_input = torch.empty(world_size * shard_numel, dtype=dtype)
+    pack_unit_grads(transport, grads, numels, rs_input, world_size, 0, shard_numel)
     rs_output = torch.empty(shard_numel, dtype=dtype)
-    future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
+    future = transport.reduce_scatter(rs_input, rs_output, transport_scale(transport))
     return ReduceScatterResult(future, rs_input, rs_output)
 
 
-def reduce_scatter_units(transport, packed: Sequence[torch.Tensor], shard_numels: Sequence[int],
-                         splits: Sequence[Sequence[int]]) -> list[ReduceScatterResult]:
-    """Starts reducing several units' packed gradients (``pack_unit_grads``)
-    as one collective; one result per unit, its ``output`` a view of the
-    batch's output and its ``pieces`` that view split at ``splits[i]`` (one
-    split for the batch). See [Note: batched collectives]."""
-    world_size = transport.world_size
-    rs_input = torch.cat([p.view(world_size, -1) for p in packed], dim=1).view(-1)  # rank-major
-    rs_output = torch.empty(sum(shard_numels), dtype=rs_input.dtype)
-    future = transport.reduce_scatter(rs_input, rs_output, _transport_scale(transport))
-    outputs = rs_output.split_with_sizes(list(shard_numels))
-    pieces = rs_output.split_with_sizes([n for split in splits for n in split])
-    results, start = [], 0
-    for output, split in zip(outputs, splits):
-        results.append(ReduceScatterResult(future, rs_input, output, pieces[start:start + len(split)]))
-        start += len(split)
-    return results
-
-
-def all_reduce_grads(transport, segments: Sequence[Segment], numel: int, dtype) -> ReduceScatterResult:
+def all_reduce_grads(transport, grads: Sequence[torch.Tensor | None], numels: Sequence[int], numel: int,
+                     dtype) -> ReduceScatterResult:
     """NO_SHARD: packs the unit's gradients and starts averaging them in place
     over the ranks; ``output`` is the whole averaged flat."""
-    flat = pack_unit_grads(transport, segments, numel, dtype)
-    future = transport.all_reduce(flat, _transport_scale(transport))
+    flat = torch.empty(numel, dtype=dtype)
+    pack_unit_grads(transport, grads, numels, flat, 1, 0, numel)
+    future = transport.all_reduce(flat, transport_scale(transport))
     return ReduceScatterResult(future, flat, flat)
 
 

@@ -50,6 +50,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn as nn
 
+from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 
@@ -173,9 +174,11 @@ class FSDPParamGroup:
                               for fp in self.fsdp_params for i in fp.module_infos]
         self._unsharded_regs: list | None = None
         # The trainable parameters, and whether every parameter is one (then
-        # the gradients are one run of the flat layout when all are present).
+        # the gradients are one run of the flat layout when all are present);
+        # every parameter's numel, as the packing copy reads the layout.
         self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
         self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+        self._numels = [fp.numel for fp in self.fsdp_params]
         # Each rank's part of the unsharded buffer, [q * shard_numel, ...):
         # what a batched all-gather copies into. Views, valid across resizes,
         # made at the first (a view cannot be made while the buffer has no memory).
@@ -206,8 +209,13 @@ class FSDPParamGroup:
         # (issued_ns, phase) for its record.
         self._unshard_future = None
         self._unshard_issue: tuple[int, str] = (0, "")
-        # This iteration's collectives (the root clears them at its pre-forward).
-        self.records: list[CollectiveRecord] = []
+        # This iteration's collectives (the root clears them at its pre-forward),
+        # as flat (kind, phase, issued, needed, completed) runs: strings and
+        # ints, which the garbage collector does not track, where a
+        # CollectiveRecord per collective would be three tracked objects per
+        # unit per iteration that live on into the next (and make Python's
+        # full collections come more often). ``records`` builds them.
+        self._timings: list = []
         # The reduce-scatter started in post_backward, waited in finalize_backward,
         # and when it was started.
         self._reduce: collectives.ReduceScatterResult | None = None
@@ -247,7 +255,7 @@ class FSDPParamGroup:
         completed = self._unshard_future.wait()
         self._unshard_future = None
         issued, phase = self._unshard_issue
-        self.records.append(CollectiveRecord(self.label, "all_gather", phase, issued, needed, completed))
+        self._timings += ("all_gather", phase, issued, needed, completed)
 
     def wait_for_unshard(self, phase: str = "explicit") -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
@@ -307,14 +315,20 @@ class FSDPParamGroup:
 
     # [Note: the per-gradient seam]
     # Packing happens per unit, from Python, once all of the unit's gradients
-    # exist (post_backward -> _grad_segments -> pack_unit_grads: one fused C++
-    # copy per run of gradients, 1/N folded in); the unit's GradBatch then
-    # launches several units as one collective (see [Note: batched
-    # collectives] in _fsdp_collectives.py). The step that moves this into
-    # C++ replaces exactly these: a post-accumulate-grad hook per parameter
-    # that copies each gradient into the reduce-scatter input as it lands and
-    # launches the input in chunks as they fill, as csrc/reducer does per
-    # bucket. The transport calls, finalize_backward and the records stay.
+    # exist: post_backward -> _grads_to_reduce -> pack_unit_grads, one C++
+    # call that writes the unit's gradients, 1/N folded in, straight into its
+    # column of its GradBatch's rank-major reduce-scatter input (or its own
+    # input when alone); the batch's last member launches the collective.
+    # Each gradient byte is copied once on its way in, and once out of the
+    # transport into the reduced output. What a post-accumulate-grad hook per
+    # parameter in C++ would add is the copy moved earlier, to when each
+    # gradient lands: the same bytes on the same thread (CPU autograd runs on
+    # the caller's), the launch still waiting for the unit's last gradient;
+    # and it would have to keep the launch point the same on every rank when a
+    # parameter gets its gradient on some ranks only (this one is: the unit's
+    # post-backward comes from the graph's structure). It would replace
+    # exactly _grads_to_reduce and pack_unit_grads; the batching, finalize and
+    # the records stay.
     def post_backward(self) -> None:
         """Packs this unit's gradients into the reduce-scatter input (1/N folded
         in) and starts it; reshards. See [Note: the per-gradient seam].
@@ -335,77 +349,60 @@ class FSDPParamGroup:
                 fp.accumulate_grad(self.reduce_dtype, keep=keep)
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
-            segments = self._grad_segments()
+            grads = self._grads_to_reduce()
             self._reduce_issued = time.monotonic_ns()
             batch, self.grad_batch = self.grad_batch, None
             if batch is not None and not batch.launched:
-                batch.add(self, collectives.pack_unit_grads(self.transport, segments, self.padded_numel, self.reduce_dtype))
+                batch.add(self, grads)
             elif self.sharded:
-                self._reduce = collectives.reduce_scatter_grads(
-                    self.transport, segments, self.padded_numel, self.shard_numel, self.reduce_dtype
-                )
+                self._reduce = collectives.reduce_scatter_grads(self.transport, grads, self._numels, self.shard_numel,
+                                                                self.reduce_dtype)
             else:
-                self._reduce = collectives.all_reduce_grads(self.transport, segments, self.padded_numel, self.dtype)
+                self._reduce = collectives.all_reduce_grads(self.transport, grads, self._numels, self.padded_numel,
+                                                            self.dtype)
             for fp in trainable:  # packed: the reduce-scatter input holds them now
                 fp.accumulated_grad = None
                 if fp.unsharded_param is not None:
                     fp.unsharded_param.grad = None
-        self._reshard_after_backward()
+        if self.reshard_after_backward:
+            self.reshard()
 
     def _reshard_after_backward(self) -> None:
         if self.reshard_after_backward:
             self.reshard()
 
-    def _grad_segments(self) -> list:
-        """The unit's flat layout as runs of present gradients and gaps."""
-        if self._all_trainable:  # the common case: one run
+    def _grads_to_reduce(self) -> list:
+        """Per parameter, the gradient to reduce, in reduce_dtype and
+        contiguous, or None (frozen, or no gradient this backward: zeros)."""
+        if self._all_trainable:  # the common case: every gradient there, as it is
             grads = [fp.grad_to_reduce() for fp in self.fsdp_params]
-            if all(g is not None and g.dtype == self.reduce_dtype and g.is_contiguous() for g in grads):
-                return [collectives.Segment(0, self.total_numel, grads)]
-        segments: list[collectives.Segment] = []
-        run: list[torch.Tensor] = []
-        run_start = run_numel = 0
+            dtype = self.reduce_dtype
+            for g in grads:
+                if g is None or g.dtype != dtype or not g.is_contiguous():
+                    break
+            else:
+                return grads
+        grads = []
         for fp in self.fsdp_params:
             grad = fp.grad_to_reduce() if fp.requires_grad else None
             if grad is not None:
                 grad = grad.to(self.reduce_dtype).contiguous()  # no copy when it already is
-            if grad is None:
-                if run:
-                    segments.append(collectives.Segment(run_start, run_numel, run))
-                    run = []
-                segments.append(collectives.Segment(fp.offset, fp.numel, None))
-                continue
-            if not run:
-                run_start, run_numel = fp.offset, 0
-            run.append(grad)
-            run_numel += fp.numel
-        if run:
-            segments.append(collectives.Segment(run_start, run_numel, run))
-        return segments
+            grads.append(grad)
+        return grads
 
     def finalize_backward(self) -> None:
         """Waits for the reduce-scatter and hands each shard its ``.grad`` (a
-        view of the reduced shard; added to a ``.grad`` the user kept)."""
+        view of the reduced shard; added to a ``.grad`` the user kept). A
+        unit of a GradBatch was finalized by the batch already
+        (``GradBatch.finalize``): here it only reshards."""
         reduce, self._reduce = self._reduce, None
         self.grad_batch = None
         if reduce is not None:
             needed = time.monotonic_ns()
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
-            self.records.append(CollectiveRecord(self.label, kind, "backward", self._reduce_issued, needed, completed))
-            if reduce.pieces is not None and reduce.output.dtype == self.dtype:
-                grads = reduce.pieces
-            else:
-                grads = reduce.output.to(self.dtype).split_with_sizes(self._grad_split)
-            with torch.no_grad():
-                for fp in self._trainable:
-                    grad = grads[fp._grad_index]
-                    if not self.sharded:
-                        grad = grad.view(fp.shape)
-                    if fp.sharded_param.grad is None:
-                        fp.sharded_param.grad = grad
-                    else:
-                        fp.sharded_param.grad += grad
+            self._timings += (kind, "backward", self._reduce_issued, needed, completed)
+            self._hand_out_grads(reduce.output)
         self.reshard()
         self.training_state = TrainingState.IDLE
 
@@ -432,7 +429,22 @@ class FSDPParamGroup:
             self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
             self._all_trainable = len(self._trainable) == len(self.fsdp_params)
 
+    def _hand_out_grads(self, output: torch.Tensor) -> None:
+        """``output`` (this rank's reduced shard) split into the shards' ``.grad``."""
+        grads = output.to(self.dtype).split_with_sizes(self._grad_split)
+        _C.accumulate_into_grads([fp.sharded_param for fp in self._trainable],
+                                 [grads[fp._grad_index] for fp in self._trainable])
+
     # --- helpers -------------------------------------------------------------
+
+    @property
+    def records(self) -> list[CollectiveRecord]:
+        """This iteration's collectives so far, in the order they were waited on."""
+        t = self._timings
+        return [CollectiveRecord(self.label, *t[i:i + 5]) for i in range(0, len(t), 5)]
+
+    def clear_records(self) -> None:
+        self._timings.clear()
 
     def _check_transport(self, where: str) -> None:
         if self.transport is None:
@@ -474,31 +486,88 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
 class GradBatch:
     """Units whose gradients are reduce-scattered as one collective, chosen
     by the root's reduce plan for one backward (see [Note: gather and reduce
-    plans] in _fsdp_state.py). Each member's ``post_backward`` adds its
-    packed gradients; the last one to arrive launches the collective, and
-    every member's ``_reduce`` becomes its view of it. ``launch`` early (the
-    root's final callback, for a batch some member never reached) sends the
-    members that arrived; a later one then goes alone."""
+    plans] in _fsdp_state.py). Its input is rank-major, each member a column
+    of every rank's row (see [Note: batched collectives]); each member's
+    ``post_backward`` packs its gradients into its column; the last one to
+    arrive launches the collective. ``launch`` early (the root's final
+    callback, for a batch some member never reached) sends the collective
+    as planned, zeros in the columns of the members that did not arrive; a
+    later one then goes alone. ``finalize`` waits once and hands every
+    arrived member's shards their ``.grad``."""
 
     def __init__(self, members: list[FSDPParamGroup]):
         self.members = members
-        self.packed: list[tuple[FSDPParamGroup, torch.Tensor]] = []  # (unit, its packed gradients), arrival order
+        # Each member's column in a row, and the row's length.
+        self.columns: dict[int, int] = {}
+        row = 0
+        for pg in members:
+            self.columns[id(pg)] = row
+            row += pg.shard_numel
+        self.row = row
+        self.world_size = members[0].shard_world_size
+        transport = members[0].transport
+        self.copy_scale = collectives.copy_scale(transport)  # see [Note: where the 1/N goes]
+        self.transport_scale = collectives.transport_scale(transport)
+        self.input: torch.Tensor | None = None  # allocated at the first member's arrival
+        self.arrived: list[FSDPParamGroup] = []  # arrival order
         self.launched = False
+        self.issued_ns = 0
+        self.future = None  # the collective, once launched
+        self.output: torch.Tensor | None = None
 
-    def add(self, pg: FSDPParamGroup, packed: torch.Tensor) -> None:
-        self.packed.append((pg, packed))
-        if len(self.packed) == len(self.members):
+    def add(self, pg: FSDPParamGroup, grads: list) -> None:
+        if self.input is None:
+            self.input = torch.empty(self.world_size * self.row, dtype=pg.reduce_dtype)
+        _C.pack_rank_major(grads, pg._numels, self.input, self.world_size, self.columns[id(pg)], pg.shard_numel,
+                           self.copy_scale)  # collectives.pack_unit_grads, its scale computed once
+        self.arrived.append(pg)
+        if len(self.arrived) == len(self.members):
             self.launch()
 
     def launch(self) -> None:
-        if self.launched or not self.packed:
+        if self.launched or not self.arrived:
             return
         self.launched = True
-        units = [pg for pg, _ in self.packed]
-        issued = time.monotonic_ns()
-        results = collectives.reduce_scatter_units(units[0].transport, [p for _, p in self.packed],
-                                                   [pg.shard_numel for pg in units], [pg._grad_split for pg in units])
-        for pg, result in zip(units, results):
-            pg._reduce = result
-            pg._reduce_issued = issued
-        self.packed = []
+        if len(self.arrived) < len(self.members):
+            rows = self.input.view(self.world_size, self.row)
+            arrived = {id(pg) for pg in self.arrived}
+            for pg in self.members:
+                if id(pg) not in arrived:
+                    column = self.columns[id(pg)]
+                    rows[:, column:column + pg.shard_numel].zero_()
+        transport = self.arrived[0].transport
+        self.output = torch.empty(self.row, dtype=self.input.dtype)
+        self.issued_ns = time.monotonic_ns()
+        self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
+        for pg in self.arrived:
+            pg._reduce_issued = self.issued_ns
+
+    def finalize(self) -> None:
+        """Waits for the collective; records it for every arrived member and
+        hands their shards their ``.grad``."""
+        if self.future is None:
+            return
+        needed = time.monotonic_ns()
+        completed = self.future.wait()
+        self.future = None
+        first = self.arrived[0]
+        if first.dtype == self.output.dtype:
+            splits = [n for pg in self.arrived for n in pg._grad_split]
+            columns = [self.columns[id(pg)] for pg in self.arrived]
+            if columns == sorted(columns) and len(self.arrived) == len(self.members):
+                pieces = self.output.split_with_sizes(splits)  # the members' parts end to end: one split
+                params, grads, base = [], [], 0
+                for pg in self.arrived:
+                    params += [fp.sharded_param for fp in pg._trainable]
+                    grads += [pieces[base + fp._grad_index] for fp in pg._trainable]
+                    base += len(pg._grad_split)
+                _C.accumulate_into_grads(params, grads)
+            else:
+                for pg in self.arrived:
+                    pg._hand_out_grads(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
+        else:
+            for pg in self.arrived:
+                pg._hand_out_grads(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
+        for pg in self.arrived:
+            pg._timings += ("reduce_scatter", "backward", self.issued_ns, needed, completed)
+        self.input = self.output = None

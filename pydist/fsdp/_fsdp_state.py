@@ -27,8 +27,9 @@ does once per iteration.
     final callback       post-backward for the units autograd never told (the
                          root, a first unit whose inputs need no grad), in
                          reverse forward order; launch what batches remain; then
-                         every unit waits for its reduce-scatter and hands the
-                         shards their .grad, so the optimizer sees finished
+                         each batch waits for its reduce-scatter once and hands
+                         its units' shards their .grad, and every unit reduced
+                         alone does the same, so the optimizer sees finished
                          gradients when backward() returns
 See [Note: gather and reduce plans] for the batches.
 Every rank goes through the same steps in the same order for the same
@@ -66,6 +67,7 @@ its own, one unit ahead.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -117,6 +119,11 @@ class FSDPState:
         self.forward_iteration = -1
         self.final_callback_queued = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
+        # Root only, during its forward: the tensor a unit's post-forward hooked
+        # last, and its hook (see [Note: how a unit learns its backward is
+        # done]); dropped at the root's post-forward, so no tensor outlives it here.
+        self._last_hooked: torch.Tensor | None = None
+        self._last_hook: _OutputHook | None = None
         # Root only: see [Note: gather and reduce plans]. How many unsharded
         # bytes go as one collective; this iteration's forward and backward
         # gather plans (None: no plan); the reduce batches of this backward;
@@ -164,7 +171,7 @@ class FSDPState:
         self.backward_end_ns = -1
         for state in self.all_states:
             if state.param_group is not None:
-                state.param_group.records = []
+                state.param_group.clear_records()
                 state.param_group.sync_requires_grad()
 
     def _root_post_backward_final_callback(self) -> None:
@@ -189,9 +196,11 @@ class FSDPState:
             pg = state.param_group
             if pg is not None and id(state) not in seen and pg.requires_gradient_sync and pg.has_pending_grads():
                 pg.post_backward()
-        for batch in self.grad_batches:
+        batches, self.grad_batches = self.grad_batches, []
+        for batch in batches:
             batch.launch()  # those some member never reached (a unit skipped this backward)
-        self.grad_batches = []
+        for batch in batches:
+            batch.finalize()  # one wait per batch; its members' shards get their .grad
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.finalize_backward()
@@ -234,6 +243,12 @@ class FSDPState:
             if target.param_group is not None:
                 target.param_group.unshard("forward_prefetch")
         if torch.is_grad_enabled():
+            # See [Note: how a unit learns its backward is done].
+            if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
+                hook = root._last_hook
+                if not hook.fired:
+                    hook.join(pg)
+                    return args, kwargs
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
@@ -246,6 +261,7 @@ class FSDPState:
             reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
             pg.post_forward(reshard)
         if self.is_root:
+            self._last_hooked = self._last_hook = None
             for state in self.all_states:  # gathered ahead for a forward that did not come
                 if state.param_group is not None and state.param_group.gathered_ahead:
                     state.param_group.reshard()
@@ -254,20 +270,38 @@ class FSDPState:
         if torch.is_grad_enabled():
             if isinstance(output, torch.Tensor):
                 if output.requires_grad:
-                    output.register_hook(self._pre_backward)
+                    self._hook_output(output)
                 return output
             flat, _ = tree_flatten(output)
             for t in flat:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    self._hook_output(t)
         return output
+
+    def _hook_output(self, t: torch.Tensor) -> None:
+        """Hooks one output tensor: see [Note: how a unit learns its backward is done]."""
+        hook = _OutputHook(self)
+        if t._backward_hooks is None and t.grad_fn is not None:
+            # Tensor.register_hook without the RemovableHandle (never removed):
+            # two objects fewer per unit and iteration for the garbage collector.
+            t._backward_hooks = hooks = OrderedDict()
+            t.grad_fn._register_hook_dict(t)
+            hooks[-1] = hook  # RemovableHandle ids count up from 0
+        else:
+            t.register_hook(hook)
+        if not self.is_root:  # the root's output feeds no unit; kept, it would outlive the forward
+            self.root._last_hooked, self.root._last_hook = t, hook
+
+    def _begin_backward(self) -> None:
+        """Root, at the first backward hook of an iteration: the final callback and the plans."""
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
+        self._plan_backward()
 
     def _pre_backward(self, grad):
         root = self.root
         if not root.final_callback_queued:
-            root.final_callback_queued = True
-            Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
-            root._plan_backward()
+            root._begin_backward()
         pg = self.param_group
         if pg is None or pg.training_state == TrainingState.PRE_BACKWARD:
             return grad
@@ -392,6 +426,62 @@ def _cast_floating(tree, dtype: torch.dtype):
     flat, spec = tree_flatten(tree)
     flat = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t for t in flat]
     return tree_unflatten(flat, spec)
+
+
+# [Note: how a unit learns its backward is done]
+# A unit's post-backward (pack and reduce its gradients, reshard) must run
+# once its backward is done, at the same point on every rank: when the
+# gradients of its inputs exist. torch's FSDP2 wraps the inputs in an
+# identity autograd Function (RegisterPostBackwardFunction below) whose
+# backward is that point; applying one costs a Python autograd Function per
+# unit per forward. Most units' one input is the previous unit's output,
+# which already carries that unit's pre-backward hook (an _OutputHook: its
+# gradient there is complete once every use of it has run its backward,
+# this unit's included). Such a unit joins that hook's post_units instead:
+# the hook runs their post-backward, then its own unit's pre-backward (as
+# the Function's backward would run just before the previous unit's hook).
+# The point is as deterministic (the graph's structure, the same on every
+# rank) and no earlier than the Function's: later only where the tensor has
+# other uses beyond the unit (a residual around it), whose backward then
+# comes first. Inputs that are not one hooked tensor of this iteration (the
+# first unit's, keyword arguments, several tensors, inputs cast by a
+# MixedPrecisionPolicy) take the Function.
+
+
+class _OutputHook:
+    """The hook on a tensor a unit returned: the unit's pre-backward, after
+    the post-backward of the units that took the tensor as their one input.
+    See [Note: how a unit learns its backward is done]."""
+
+    __slots__ = ("state", "post_unit", "more_post_units", "fired")
+
+    def __init__(self, state: FSDPState):
+        self.state = state  # the unit that returned the tensor
+        # The units whose one input the tensor is: the first, then a list of
+        # the others (usually none: one object fewer per unit and iteration).
+        self.post_unit: FSDPParamGroup | None = None
+        self.more_post_units: list[FSDPParamGroup] | None = None
+        self.fired = False  # once fired, units joining would never be told
+
+    def join(self, pg: FSDPParamGroup) -> None:
+        if self.post_unit is None:
+            self.post_unit = pg
+        elif self.more_post_units is None:
+            self.more_post_units = [pg]
+        else:
+            self.more_post_units.append(pg)
+
+    def __call__(self, grad):
+        self.fired = True
+        root = self.state.root
+        if not root.final_callback_queued:
+            root._begin_backward()  # the reduce plan must exist before a post-backward packs
+        if self.post_unit is not None:
+            self.post_unit.post_backward()
+            if self.more_post_units is not None:
+                for pg in self.more_post_units:
+                    pg.post_backward()
+        return self.state._pre_backward(grad)
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):

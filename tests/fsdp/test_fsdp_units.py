@@ -88,12 +88,12 @@ def _collectives_rank(rank, world_size, shm):
     # reduce-scatter of a unit laid out as [g0 (6), gap (3), g1 (4)] + padding
     g0 = torch.full((2, 3), float(rank + 1))
     g1 = torch.arange(4, dtype=torch.float32) * (rank + 1)
-    segs = [collectives.Segment(0, 6, [g0]), collectives.Segment(6, 3, None), collectives.Segment(9, 4, [g1])]
+    grads, numels = [g0, None, g1], [6, 3, 4]
     shard_numel = -(-13 // world_size)
-    rs = collectives.reduce_scatter_grads(t, segs, shard_numel * world_size, shard_numel, torch.float32)
+    rs = collectives.reduce_scatter_grads(t, grads, numels, shard_numel, torch.float32)
     rs.future.wait()
     out["rs"] = rs.output
-    ar = collectives.all_reduce_grads(t, segs, 13, torch.float32)
+    ar = collectives.all_reduce_grads(t, grads, numels, 13, torch.float32)
     ar.future.wait()
     out["ar"] = ar.output
     out["sum"] = collectives.all_reduce_sum(t, torch.tensor([float(rank + 1)]))
@@ -263,6 +263,21 @@ def _check_records(record, batch_bytes):
             assert r.issued_ns < end, f"{r.unit} (batch_bytes={batch_bytes}): reduce-scatter launched only after backward"
 
 
+def step_on_averaged_grads(plain: nn.Module, opt, world_size: int) -> None:
+    """The oracle of a sharded step: every rank's plain gradients (zeros where
+    a parameter got none), averaged by hand, then ``opt`` steps."""
+    import torch.distributed as dist
+
+    every = [None] * world_size
+    dist.all_gather_object(every, {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                                   for n, p in plain.named_parameters()})
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            p.grad = sum(e[n] / world_size for e in every)
+    opt.step()
+    opt.zero_grad()
+
+
 class Skipping(nn.Module):
     """Four units in a row; ``skip`` leaves one out (the same on every rank)."""
 
@@ -281,8 +296,6 @@ def _skipped_unit_rank(rank, world_size, batch_bytes):
     """A unit the plan gathers ahead (last iteration's order) whose forward
     does not come this time: resharded at the root's post-forward, skipped
     by backward's reduce batches, and training matches a plain model."""
-    import torch.distributed as dist
-
     from pydist.fsdp import full_state_dict
     from pydist.fsdp._fsdp_param_group import ShardedState
 
@@ -309,16 +322,8 @@ def _skipped_unit_rank(rank, world_size, batch_bytes):
         out.sum().backward()
         opt.step()
         opt.zero_grad()
-        # the oracle: every rank's plain gradients, averaged by hand
         plain(x, skip).sum().backward()
-        every = [None] * world_size
-        dist.all_gather_object(every, {n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                                       for n, p in plain.named_parameters()})
-        with torch.no_grad():
-            for n, p in plain.named_parameters():
-                p.grad = sum(e[n] / world_size for e in every)
-        plain_opt.step()
-        plain_opt.zero_grad()
+        step_on_averaged_grads(plain, plain_opt, world_size)
     got = full_state_dict(model)
     return {"after_forward": after_forward,
             "match": {n: torch.equal(p.detach(), got[n]) for n, p in plain.named_parameters()}}

@@ -1,0 +1,208 @@
+"""The gradient path of pydist's FSDP: each unit's gradients packed by one
+C++ call into its column of its batch's rank-major reduce-scatter input
+(``pydist._C.pack_rank_major`` against its pure-torch oracle, bitwise), the
+reduced shards handed out as ``.grad`` in C++ (``accumulate_into_grads``),
+and, on spawned gloo ranks against stock torch ``fully_shard`` (bitwise at
+two ranks), the cases that path has to get right: a batch mixing frozen,
+partly frozen and trainable units, a unit whose post-backward comes from
+the previous unit's output hook (with a residual around it, so that hook
+fires late) beside units that take the autograd Function (two inputs, the
+first unit), gradient accumulation and bf16. A parameter used on some ranks
+only, inside a batch, is checked against every rank's plain gradients
+averaged by hand (torch's FSDP2 drops a parameter without a gradient from
+its reduce-scatter, so ranks that disagree on it do not meet there)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist import _C
+from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.spawn import run_ranks
+
+# --------------------------------------------------------------------------
+# pack_rank_major and accumulate_into_grads, in one process
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_pack_rank_major_matches_the_oracle(dtype, world_size, scale):
+    g = torch.Generator().manual_seed(world_size)
+    shapes = [(5, 3), (7,), (1,), (4, 4), (2,)]
+    present = [True, False, True, True, False]  # None: a frozen parameter, or no gradient
+    grads = [torch.randn(s, generator=g).to(dtype) if p else None for s, p in zip(shapes, present)]
+    numels = [torch.Size(s).numel() for s in shapes]
+    shard_numel = -(-sum(numels) // world_size)
+    # the unit between two others in a batch: its column is not the first
+    row = 3 + shard_numel + 5
+    got = torch.full((world_size * row,), -7.0, dtype=dtype)
+    want = got.clone()
+    _C.pack_rank_major(grads, numels, got, world_size, 3, shard_numel, scale)
+    collectives.reference_pack_unit_grads(grads, numels, want, world_size, 3, shard_numel, scale)
+    assert torch.equal(got, want)
+    # the neighbours' columns are untouched
+    rows = got.view(world_size, row)
+    assert (rows[:, :3] == -7).all() and (rows[:, 3 + shard_numel:] == -7).all()
+
+
+def test_pack_rank_major_refuses_what_it_cannot_pack():
+    out = torch.empty(8)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] is Double"):
+        _C.pack_rank_major([torch.zeros(3, dtype=torch.float64)], [3], out, 2, 0, 4)
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        _C.pack_rank_major([torch.zeros(3, 2).t()], [6], out, 2, 0, 4)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        _C.pack_rank_major([torch.zeros(9)], [9], out, 2, 0, 4)
+    with pytest.raises(RuntimeError, match="does not fit a row"):
+        _C.pack_rank_major([torch.zeros(3)], [3], out, 2, 1, 4)
+    with pytest.raises(RuntimeError, match="not world_size"):
+        _C.pack_rank_major([torch.zeros(3)], [3], torch.empty(7), 2, 0, 3)
+
+
+def test_accumulate_into_grads_sets_then_adds():
+    p = nn.Parameter(torch.zeros(2, 3))
+    q = nn.Parameter(torch.zeros(4))
+    reduced = torch.arange(10, dtype=torch.float32)
+    _C.accumulate_into_grads([p, q], [reduced[:6], reduced[6:]])
+    assert p.grad.shape == (2, 3) and p.grad.data_ptr() == reduced.data_ptr()  # a view, no copy
+    assert torch.equal(q.grad, torch.tensor([6.0, 7, 8, 9]))
+    kept = q.grad
+    _C.accumulate_into_grads([q], [torch.ones(4)])
+    assert q.grad is kept and torch.equal(kept, torch.tensor([7.0, 8, 9, 10]))
+    with pytest.raises(RuntimeError, match="its parameter"):
+        _C.accumulate_into_grads([q], [torch.ones(3)])
+
+
+# --------------------------------------------------------------------------
+# Against torch's fully_shard, on spawned ranks
+# --------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+class TwoInputs(nn.Module):
+    """A unit that takes two tensors: its post-backward comes from the Function."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, a, b):
+        return torch.tanh(self.lin(a)) * b
+
+
+class MixedBatch(nn.Module):
+    """Six small units that the default reduce plan batches together, with
+    a frozen unit (blocks.1) and a partly frozen one (blocks.3: its norm's
+    weight) among them, a residual around blocks.2, and a unit of two inputs."""
+
+    def __init__(self, dim: int = 8, out: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(5)])
+        self.blocks[1].requires_grad_(False)
+        self.blocks[3].norm.weight.requires_grad_(False)
+        self.two = TwoInputs(dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        h = self.blocks[0](x)  # the first unit: its input needs no grad (the final callback's)
+        h = self.blocks[1](h)  # frozen, chained
+        h = h + self.blocks[2](h)  # its input's hook fires after the residual's backward too
+        h = self.blocks[3](h)
+        h = self.blocks[4](h)
+        return self.head(self.two(h, h))
+
+    def units(self):
+        return list(self.blocks) + [self.two]
+
+
+def _parity_rank(rank, world_size, scenarios):
+    import fsdp_harness
+
+    fsdp_harness.MODELS["mixed_batch"] = MixedBatch
+    return fsdp_harness.run_scenarios(rank, world_size, scenarios)
+
+
+@pytest.mark.timeout(150)
+def test_mixed_batches_bitwise_with_torch_fully_shard():
+    from fsdp_harness import Scenario, assert_parity
+
+    scenarios = [
+        Scenario(model="mixed_batch", optimizer="adam", shm=True),
+        Scenario(model="mixed_batch", optimizer="sgd", shm=False),
+        Scenario(model="mixed_batch", optimizer="sgd", micro_steps=3, shm=True),
+        Scenario(model="mixed_batch", optimizer="adam", reshard_after_forward=False, shm=True),
+        Scenario(model="mixed_batch", optimizer="adam", mixed=True, micro_steps=2, shm=True),
+    ]
+    results = run_ranks(_parity_rank, 2, args=(scenarios,), timeout=140)
+    assert_parity(results, exact=True, scenarios=scenarios)
+
+
+class Gated(nn.Module):
+    """A unit whose ``extra`` layer runs only where ``use_extra`` is set."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.body = nn.Linear(dim, dim)
+        self.extra = nn.Linear(dim, dim)
+        self.use_extra = True
+
+    def forward(self, x):
+        x = torch.tanh(self.body(x))
+        return self.extra(x) if self.use_extra else x
+
+
+def _some_ranks_rank(rank, world_size, batch_bytes):
+    from test_fsdp_units import step_on_averaged_grads
+
+    from pydist import fully_shard
+    from pydist.fsdp import full_state_dict, last_iteration_record
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[Gated(6) for _ in range(4)])
+    model = nn.Sequential(*[Gated(6) for _ in range(4)])
+    model.load_state_dict(plain.state_dict())
+    # blocks 1 and 2 use `extra` on odd ranks only: inside one batch, and
+    # their post-backward comes from the next unit's output hook
+    for m in (plain, model):
+        for i in (1, 2):
+            m[i].use_extra = rank % 2 == 1
+    for block in model:
+        fully_shard(block, shm=True)
+    fully_shard(model, shm=True)
+    model.set_collective_batch_bytes(batch_bytes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randint(-2, 3, (4, 6), generator=g).float().requires_grad_()  # the first unit takes the Function
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        plain(x.detach().requires_grad_()).sum().backward()
+        step_on_averaged_grads(plain, plain_opt, world_size)
+    got = full_state_dict(model)
+    scatters = [r for r in last_iteration_record(model).collectives if r.kind == "reduce_scatter"]
+    return {"match": {n: torch.equal(p.detach(), got[n]) for n, p in plain.named_parameters()},
+            "launches": len({r.issued_ns for r in scatters}), "units": sorted(r.unit for r in scatters)}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("batch_bytes", [0, 1 << 20], ids=["alone", "batched"])
+def test_parameter_used_on_some_ranks_inside_a_batch(batch_bytes):
+    for rank, out in enumerate(run_ranks(_some_ranks_rank, 2, args=(batch_bytes,), timeout=60)):
+        assert all(out["match"].values()), f"rank {rank}: {out['match']}"
+        assert out["units"] == ["0", "1", "2", "3"], out["units"]  # the root manages no parameter
+        # batched: the four blocks as one reduce-scatter (block 0's input needs
+        # grad, so its post-backward comes from inside backward too)
+        assert out["launches"] == (1 if batch_bytes else 4), out
