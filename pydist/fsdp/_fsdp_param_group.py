@@ -113,7 +113,9 @@ class FSDPParamGroup:
         for n, p, _ in named_params:
             if p.device.type != "cpu":
                 raise NotImplementedError(
-                    f"pydist.fully_shard({label}): parameter {n} is on {p.device}; this first slice shards CPU parameters only"
+                    f"pydist.fully_shard({label}): parameter {n} is on {p.device}; pydist shards CPU parameters only"
+                    + ("; materialize the module first (module.to_empty(device='cpu'), then initialize it), then "
+                       "fully_shard it" if p.device.type == "meta" else "")
                 )
         if param_dtype is not None and not sharded:
             raise NotImplementedError(f"pydist FSDP ({label}): mixed precision with NO_SHARD is not implemented yet")
