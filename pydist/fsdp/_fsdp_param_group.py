@@ -366,8 +366,7 @@ class FSDPParamGroup:
                 fp.accumulated_grad = None
                 if fp.unsharded_param is not None:
                     fp.unsharded_param.grad = None
-        if self.reshard_after_backward:
-            self.reshard()
+        self._reshard_after_backward()
 
     def _reshard_after_backward(self) -> None:
         if self.reshard_after_backward:
@@ -552,22 +551,16 @@ class GradBatch:
         needed = time.monotonic_ns()
         completed = self.future.wait()
         self.future = None
-        first = self.arrived[0]
-        if first.dtype == self.output.dtype:
-            splits = [n for pg in self.arrived for n in pg._grad_split]
-            columns = [self.columns[id(pg)] for pg in self.arrived]
-            if columns == sorted(columns) and len(self.arrived) == len(self.members):
-                pieces = self.output.split_with_sizes(splits)  # the members' parts end to end: one split
-                params, grads, base = [], [], 0
-                for pg in self.arrived:
-                    params += [fp.sharded_param for fp in pg._trainable]
-                    grads += [pieces[base + fp._grad_index] for fp in pg._trainable]
-                    base += len(pg._grad_split)
-                _C.accumulate_into_grads(params, grads)
-            else:
-                for pg in self.arrived:
-                    pg._hand_out_grads(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
-        else:
+        if self.arrived == self.members and self.output.dtype == self.members[0].dtype:
+            # The common case: the members' parts end to end, one split, one C++ call.
+            pieces = self.output.split_with_sizes([n for pg in self.members for n in pg._grad_split])
+            params, grads, base = [], [], 0
+            for pg in self.members:
+                params += [fp.sharded_param for fp in pg._trainable]
+                grads += [pieces[base + fp._grad_index] for fp in pg._trainable]
+                base += len(pg._grad_split)
+            _C.accumulate_into_grads(params, grads)
+        else:  # launched early, or a reduce dtype that is not the shards'
             for pg in self.arrived:
                 pg._hand_out_grads(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
         for pg in self.arrived:

@@ -445,7 +445,12 @@ def _cast_floating(tree, dtype: torch.dtype):
 # other uses beyond the unit (a residual around it), whose backward then
 # comes first. Inputs that are not one hooked tensor of this iteration (the
 # first unit's, keyword arguments, several tensors, inputs cast by a
-# MixedPrecisionPolicy) take the Function.
+# MixedPrecisionPolicy) take the Function. The hook runs a joined unit's
+# post-backward only once that unit's pre-backward has run: a unit whose
+# input does not carry its backward (it uses the input through .detach() or
+# only its shape) would otherwise be reduced when the input's other uses are
+# done, before its own backward; it is left to the final callback instead,
+# as the Function (never reached) leaves it.
 
 
 class _OutputHook:
@@ -477,9 +482,8 @@ class _OutputHook:
         if not root.final_callback_queued:
             root._begin_backward()  # the reduce plan must exist before a post-backward packs
         if self.post_unit is not None:
-            self.post_unit.post_backward()
-            if self.more_post_units is not None:
-                for pg in self.more_post_units:
+            for pg in (self.post_unit, *(self.more_post_units or ())):
+                if pg.training_state == TrainingState.PRE_BACKWARD:  # its backward ran: see the note
                     pg.post_backward()
         return self.state._pre_backward(grad)
 

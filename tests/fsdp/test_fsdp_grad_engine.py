@@ -7,7 +7,8 @@ two ranks), the cases that path has to get right: a batch mixing frozen,
 partly frozen and trainable units, a unit whose post-backward comes from
 the previous unit's output hook (with a residual around it, so that hook
 fires late) beside units that take the autograd Function (two inputs, the
-first unit), gradient accumulation and bf16. A parameter used on some ranks
+first unit), a unit whose input does not carry its backward (``.detach()``),
+gradient accumulation and bf16. A parameter used on some ranks
 only, inside a batch, is checked against every rank's plain gradients
 averaged by hand (torch's FSDP2 drops a parameter without a gradient from
 its reduce-scatter, so ranks that disagree on it do not meet there)."""
@@ -126,10 +127,37 @@ class MixedBatch(nn.Module):
         return list(self.blocks) + [self.two]
 
 
+class DetachedInput(nn.Module):
+    """A unit that uses its input only through ``.detach()``: its input's
+    hook fires without its backward having to run first."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x.detach()))
+
+
+class DetachChain(nn.Module):
+    def __init__(self, dim: int = 8, out: int = 4):
+        super().__init__()
+        self.first, self.detached, self.last = Block(dim), DetachedInput(dim), Block(dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.head(self.last(self.detached(h)) + h)
+
+    def units(self):
+        return [self.first, self.detached, self.last]
+
+
 def _parity_rank(rank, world_size, scenarios):
     import fsdp_harness
 
     fsdp_harness.MODELS["mixed_batch"] = MixedBatch
+    fsdp_harness.MODELS["detach_chain"] = DetachChain
     return fsdp_harness.run_scenarios(rank, world_size, scenarios)
 
 
@@ -143,6 +171,8 @@ def test_mixed_batches_bitwise_with_torch_fully_shard():
         Scenario(model="mixed_batch", optimizer="sgd", micro_steps=3, shm=True),
         Scenario(model="mixed_batch", optimizer="adam", reshard_after_forward=False, shm=True),
         Scenario(model="mixed_batch", optimizer="adam", mixed=True, micro_steps=2, shm=True),
+        Scenario(model="detach_chain", optimizer="adam", shm=True),
+        Scenario(model="detach_chain", optimizer="sgd", reshard_after_forward=False, shm=False),
     ]
     results = run_ranks(_parity_rank, 2, args=(scenarios,), timeout=140)
     assert_parity(results, exact=True, scenarios=scenarios)
