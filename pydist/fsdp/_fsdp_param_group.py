@@ -102,7 +102,8 @@ class FSDPParamGroup:
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter, list[ParamModuleInfo]]],
                  rank: int, world_size: int, sharded: bool, reshard_after_forward: bool, label: str,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 zeros_for_unused: bool = False):
         dtypes = {p.dtype for _, p, _ in named_params}
         if len(dtypes) > 1:
             listing = ", ".join(f"{n}: {p.dtype}" for n, p, _ in named_params)
@@ -206,6 +207,12 @@ class FSDPParamGroup:
         self.transport = None
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
+        # See [Note: parameters without a gradient]: True gives every
+        # trainable shard a .grad (torch FSDP1's answer), False leaves those
+        # no rank had a gradient for as they are (FSDP2's). The trainable
+        # parameters that had none here in the last synced backward.
+        self.zeros_for_unused = zeros_for_unused
+        self._no_local_grad: set[int] = set()
         self.requires_gradient_sync = True
         # The all-gather in flight while UNSHARDING (an UnshardResult), and
         # (issued_ns, phase) for its record.
@@ -352,6 +359,8 @@ class FSDPParamGroup:
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
             grads = self._grads_to_reduce()
+            if not self.zeros_for_unused:
+                self._no_local_grad = {id(fp) for fp, g in zip(self.fsdp_params, grads) if g is None and fp.requires_grad}
             self._reduce_issued = time.monotonic_ns()
             batch, self.grad_batch = self.grad_batch, None
             if batch is not None and not batch.launched:
@@ -432,9 +441,32 @@ class FSDPParamGroup:
 
     def _hand_out_grads(self, output: torch.Tensor) -> None:
         """``output`` (this rank's reduced shard) split into the shards' ``.grad``."""
-        grads = output.to(self.dtype).split_with_sizes(self._grad_split)
-        _C.accumulate_into_grads([fp.sharded_param for fp in self._trainable],
-                                 [grads[fp._grad_index] for fp in self._trainable])
+        _C.accumulate_into_grads(*self.grads_to_hand_out(output.to(self.dtype).split_with_sizes(self._grad_split)))
+
+    # [Note: parameters without a gradient]
+    # A parameter that gets no gradient on some ranks is packed as zeros from
+    # them, so every rank issues the same collectives. One that gets none on
+    # any rank: torch's FSDP2 leaves its .grad as it was (None after
+    # zero_grad), so AdamW's weight decay and momentum skip it; torch's FSDP1
+    # reduces its flat gradient, zeros there. A shard that had no gradient
+    # here and whose reduced piece is all zeros had none anywhere (or ones
+    # that sum to exactly zero, a case FSDP2 cannot reduce at all): it is
+    # left as it is unless zeros_for_unused (pydist.FullyShardedDataParallel).
+    def grads_to_hand_out(self, pieces, base: int = 0) -> tuple[list, list]:
+        """(the sharded parameters that get a ``.grad``, their pieces of the
+        reduced output), ``pieces[base + fp._grad_index]`` being each one's.
+        See [Note: parameters without a gradient]."""
+        if not self._no_local_grad:
+            return ([fp.sharded_param for fp in self._trainable],
+                    [pieces[base + fp._grad_index] for fp in self._trainable])
+        params, grads = [], []
+        for fp in self._trainable:
+            piece = pieces[base + fp._grad_index]
+            if id(fp) in self._no_local_grad and not piece.any():
+                continue
+            params.append(fp.sharded_param)
+            grads.append(piece)
+        return params, grads
 
     # --- helpers -------------------------------------------------------------
 
@@ -556,8 +588,9 @@ class GradBatch:
             pieces = self.output.split_with_sizes([n for pg in self.members for n in pg._grad_split])
             params, grads, base = [], [], 0
             for pg in self.members:
-                params += [fp.sharded_param for fp in pg._trainable]
-                grads += [pieces[base + fp._grad_index] for fp in pg._trainable]
+                mine = pg.grads_to_hand_out(pieces, base)
+                params += mine[0]
+                grads += mine[1]
                 base += len(pg._grad_split)
             _C.accumulate_into_grads(params, grads)
         else:  # launched early, or a reduce dtype that is not the shards'

@@ -33,7 +33,7 @@ def _torch_policies():
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, shard_placement_fn=None,
                 mp_policy=None, offload_policy=None, ignored_params=None, shm: bool | None = None,
-                _sharded: bool = True, _process_group=None) -> nn.Module:
+                _sharded: bool = True, _process_group=None, _zeros_for_unused: bool = False) -> nn.Module:
     """Makes ``module``'s parameters not yet managed by a fully_shard'ed
     submodule one unit, sharded over ``mesh`` (a 1-D DeviceMesh; None: the
     default group), and returns ``module``, its class now also an
@@ -66,6 +66,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
             named, dist.get_rank(group), dist.get_world_size(group), sharded=_sharded,
             reshard_after_forward=reshard_after_forward, label=type(module).__name__,
             param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+            zeros_for_unused=_zeros_for_unused,
         )
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
     register_state_dict_hooks(module)  # see [Note: the sharded state dict]

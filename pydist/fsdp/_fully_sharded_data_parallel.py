@@ -135,7 +135,8 @@ class FullyShardedDataParallel(nn.Module):
         self.mixed_precision = mixed_precision
         buffer_orig_dtypes = _cast_buffers(module, mixed_precision)
         kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
-                      _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group)
+                      _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group,
+                      _zeros_for_unused=True)  # FSDP1's answer: see [Note: parameters without a gradient]
         targets = _wrap_targets(module, auto_wrap_policy)
         for m in reversed(list(module.modules())):  # children before their parents
             if m is not module and m in targets:

@@ -1,8 +1,10 @@
 """What a training loop changes between steps, against torch's FSDP2 on the
 same seeds and data at 2 ranks, bitwise: a unit that ran in a no-sync
 micro-batch but not in the synced one (its accumulated gradient is reduced
-in that step, as torch does), and ``requires_grad`` switched on the
-parameters ``model.parameters()`` gives, after ``fully_shard``."""
+in that step, as torch does), ``requires_grad`` switched on the
+parameters ``model.parameters()`` gives, after ``fully_shard``, and
+parameters no rank gives a gradient (``.grad`` left None, as FSDP2 leaves
+it, so AdamW's weight decay skips them; zeros under FSDP1, as torch's)."""
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ class Net(nn.Module):
         return self.out(x)
 
 
-def _build(impl: str, world_size: int, mixed: bool):
+def _build(impl: str, world_size: int, mixed: bool, spare: bool = False):
     import pydist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -35,6 +37,9 @@ def _build(impl: str, world_size: int, mixed: bool):
 
     torch.manual_seed(0)
     model = Net()
+    if spare:  # parameters forward never uses: in a batched unit and in the root's
+        model.blocks[1].register_parameter("spare", nn.Parameter(torch.randn(8)))
+        model.spare = nn.Parameter(torch.randn(3))
     shard = torch_fully_shard if impl == "torch" else pydist.fully_shard
     kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
     if mixed:
@@ -58,16 +63,20 @@ SCENARIOS = {
     "frozen_before_first_forward": [("freeze", [((), True)]), (None, [((), True)])],
     "frozen_after_a_step": [(None, [((), True)]), ("freeze", [((), True)]), (None, [((), True)])],
     "unfrozen_after_a_step": [("freeze_at_wrap", [((), True)]), ("unfreeze", [((), True)]), (None, [((), True)])],
+    "unused_everywhere": [("spare", [((), True)]), (None, [((), True)]), (None, [((), False), ((), True)])],
 }
 
 
 def _run(rank, world_size, impl, scenario, mixed):
-    model = _build(impl, world_size, mixed)
-    weight = model.blocks[0][0].weight  # what model.parameters() gives for it
     steps = SCENARIOS[scenario]
+    model = _build(impl, world_size, mixed, spare=steps[0][0] == "spare")
+    weight = model.blocks[0][0].weight  # what model.parameters() gives for it
     if steps[0][0] == "freeze_at_wrap":
         weight.requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if steps[0][0] == "spare":
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     log = []
     for change, micro_batches in steps:
@@ -91,7 +100,8 @@ def _both(rank, world_size, scenario, mixed):
 @pytest.mark.parametrize("scenario,mixed", [("skipped_in_synced_micro_batch", False),
                                             ("skipped_in_synced_micro_batch", True),
                                             ("frozen_before_first_forward", False), ("frozen_after_a_step", False),
-                                            ("unfrozen_after_a_step", False)])
+                                            ("unfrozen_after_a_step", False), ("unused_everywhere", False),
+                                            ("unused_everywhere", True)])
 def test_bitwise_torch_fsdp2(scenario, mixed):
     for rank, out in enumerate(run_ranks(_both, 2, args=(scenario, mixed), timeout=140)):
         (ref, ref_log), (got, got_log) = out["torch"], out["pydist"]
@@ -147,3 +157,34 @@ def test_activation_checkpointing_around_units_bitwise_torch_fsdp2():
     for rank, out in enumerate(run_ranks(_checkpointed, 2, timeout=110)):
         for k, ref in out["torch"].items():
             assert torch.equal(out["pydist"][k], ref), f"rank {rank}: {k} differs from torch FSDP2's"
+
+
+def _fsdp1_unused(rank, world_size):
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType
+
+    import pydist
+
+    out = {}
+    for impl, cls in (("torch", TorchFSDP), ("pydist", pydist.FullyShardedDataParallel)):
+        torch.manual_seed(0)
+        model = Net()
+        model.spare = nn.Parameter(torch.randn(3))
+        kwargs = {"device_id": torch.device("cpu"), "use_orig_params": True} if impl == "torch" else {}
+        model = cls(model, **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(2):
+            model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with cls.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            out[impl] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp1_front_door_gives_unused_parameters_zeros_as_torch_fsdp1():
+    for rank, out in enumerate(run_ranks(_fsdp1_unused, 2, timeout=110)):
+        for k, ref in out["torch"].items():
+            assert torch.equal(out["pydist"][k], ref), f"rank {rank}: {k} differs from torch FSDP1's"
