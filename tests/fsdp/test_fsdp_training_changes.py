@@ -57,6 +57,21 @@ def _full(impl: str, model) -> dict:
     return {k: v.clone() for k, v in pydist.fsdp.full_state_dict(model).items()}
 
 
+def _train(model, opt, rank: int, steps: int) -> None:
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _assert_bitwise(results, theirs: str) -> None:
+    """Each rank's {"torch": full parameters, "pydist": ...} equal key by key."""
+    for rank, out in enumerate(results):
+        for k, ref in out["torch"].items():
+            assert torch.equal(out["pydist"][k], ref), f"rank {rank}: {k} differs from {theirs}"
+
+
 # Each step: (what changes before it, micro-batches as (units skipped, sync)).
 SCENARIOS = {
     "skipped_in_synced_micro_batch": [(None, [((), True)]), (None, [((), False), ((1,), True)]), (None, [((), True)])],
@@ -142,21 +157,14 @@ def _checkpointed(rank, world_size):
         for block in model.blocks:
             shard(block, **kwargs)
         shard(model, **kwargs)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(3):
-            model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _train(model, torch.optim.SGD(model.parameters(), lr=0.05), rank, 3)
         out[impl] = _full(impl, model)
     return out
 
 
 @pytest.mark.timeout(120)
 def test_activation_checkpointing_around_units_bitwise_torch_fsdp2():
-    for rank, out in enumerate(run_ranks(_checkpointed, 2, timeout=110)):
-        for k, ref in out["torch"].items():
-            assert torch.equal(out["pydist"][k], ref), f"rank {rank}: {k} differs from torch FSDP2's"
+    _assert_bitwise(run_ranks(_checkpointed, 2, timeout=110), "torch FSDP2's")
 
 
 def _fsdp1_unused(rank, world_size):
@@ -172,12 +180,7 @@ def _fsdp1_unused(rank, world_size):
         model.spare = nn.Parameter(torch.randn(3))
         kwargs = {"device_id": torch.device("cpu"), "use_orig_params": True} if impl == "torch" else {}
         model = cls(model, **kwargs)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-        gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(2):
-            model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _train(model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1), rank, 2)
         with cls.state_dict_type(model, StateDictType.FULL_STATE_DICT):
             out[impl] = {k: v.clone() for k, v in model.state_dict().items()}
     return out
@@ -185,6 +188,4 @@ def _fsdp1_unused(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_fsdp1_front_door_gives_unused_parameters_zeros_as_torch_fsdp1():
-    for rank, out in enumerate(run_ranks(_fsdp1_unused, 2, timeout=110)):
-        for k, ref in out["torch"].items():
-            assert torch.equal(out["pydist"][k], ref), f"rank {rank}: {k} differs from torch FSDP1's"
+    _assert_bitwise(run_ranks(_fsdp1_unused, 2, timeout=110), "torch FSDP1's")
