@@ -45,7 +45,8 @@ class FSDPParam:
     def __init__(self, param: nn.Parameter, infos: list[ParamModuleInfo], fqn: str, offset: int,
                  shard: torch.Tensor, shard_start: int):
         # Where the parameter is registered (more than one place when shared
-        # within the unit); to_sharded/to_unsharded swap all of them.
+        # within the unit); the unit swaps all of them (its _sharded_regs,
+        # _unsharded_regs).
         self.module_infos = infos
         # Its name under the module fully_shard was called on, for errors and state dicts.
         self.fqn = fqn
@@ -104,14 +105,6 @@ class FSDPParam:
         if self.accumulated_grad is not None:
             return self.accumulated_grad
         return self.unsharded_param.grad if self.unsharded_param is not None else None
-
-    def to_sharded(self) -> None:
-        for info in self.module_infos:
-            info.module._parameters[info.name] = self.sharded_param
-
-    def to_unsharded(self) -> None:
-        for info in self.module_infos:
-            info.module._parameters[info.name] = self.unsharded_param
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local=[{self.local_start}, {self.local_end}))"

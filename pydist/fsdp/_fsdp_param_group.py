@@ -167,15 +167,14 @@ class FSDPParamGroup:
                 fp.init_unsharded_param(self.shard)
                 fp.sharded_param = fp.unsharded_param  # NO_SHARD: the module keeps full parameters
                 fp.sharded_param._pydist_fsdp_param = fp
-        for fp in self.fsdp_params:
-            fp.to_sharded()
         # Where each parameter is registered, as (module._parameters, name,
-        # the tensor to put there): what to_sharded / to_unsharded do for
-        # every parameter, flattened once (the unsharded list once the
+        # the tensor to put there), flattened once: what reshard and
+        # wait_for_unshard put in place (the unsharded list once the
         # unsharded parameters exist).
         self._sharded_regs = [(i.module._parameters, i.name, fp.sharded_param)
                               for fp in self.fsdp_params for i in fp.module_infos]
         self._unsharded_regs: list | None = None
+        _register(self._sharded_regs)
         # The trainable parameters, and whether every parameter is one (then
         # the gradients are one run of the flat layout when all are present);
         # every parameter's numel, as the packing copy reads the layout.
@@ -277,8 +276,7 @@ class FSDPParamGroup:
                     fp.init_unsharded_param(self.unsharded)
                 self._unsharded_regs = [(i.module._parameters, i.name, fp.unsharded_param)
                                         for fp in self.fsdp_params for i in fp.module_infos]
-            for params, name, p in self._unsharded_regs:
-                params[name] = p
+            _register(self._unsharded_regs)
             self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -287,8 +285,7 @@ class FSDPParamGroup:
             return
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()  # the transport is still writing the buffer
-        for params, name, p in self._sharded_regs:
-            params[name] = p
+        _register(self._sharded_regs)
         self.unsharded.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
         self.gathered_ahead = False
@@ -419,9 +416,7 @@ class FSDPParamGroup:
     def has_pending_grads(self) -> bool:
         """Whether gradients of earlier backwards wait to be reduced (gradient
         sync was off)."""
-        return any(fp.accumulated_grad is not None
-                   or (fp.unsharded_param is not None and fp.unsharded_param.grad is not None)
-                   for fp in self._trainable)
+        return any(fp.grad_to_reduce() is not None for fp in self._trainable)
 
     def sync_requires_grad(self) -> None:
         """Takes up ``requires_grad`` switched on the parameters the optimizer
@@ -494,6 +489,12 @@ class FSDPParamGroup:
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({self.label!r}, {len(self.fsdp_params)} params, total={self.total_numel}, "
                 f"shard={self.shard_numel}, {self.sharded_state.name}, {self.training_state.name})")
+
+
+def _register(regs: list) -> None:
+    """Puts each (module._parameters, name, tensor) of ``regs`` in place."""
+    for params, name, p in regs:
+        params[name] = p
 
 
 def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:

@@ -337,7 +337,7 @@ class FSDPState:
             pg = state.param_group
             pg.grad_batch = None
             reduces = (pg.sharded and pg.requires_gradient_sync and id(state) not in self.late_posters
-                       and any(fp.requires_grad for fp in pg.fsdp_params))
+                       and bool(pg._trainable))
             nbytes = pg.padded_numel * torch.finfo(pg.reduce_dtype).bits // 8
             if not reduces or (run and (run_bytes + nbytes > self.batch_bytes or not run[0].batches_with(pg))):
                 close_run()
