@@ -89,6 +89,20 @@ void reset_for_iteration(Bucket& bucket) {
 
 void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const std::vector<int64_t>& numels,
                      const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel, double scale) {
+  if (out.is_complex()) {
+    // As interleaved real and imaginary parts: every length doubles, and
+    // scaling each part by a real scale is the complex product.
+    std::vector<std::optional<at::Tensor>> parts;
+    std::vector<int64_t> part_numels;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const bool present = grads[i].has_value() && grads[i]->defined();
+      parts.emplace_back(present && grads[i]->is_complex() ? std::optional<at::Tensor>(at::view_as_real(*grads[i]).view(-1))
+                                                           : grads[i]);
+      part_numels.push_back(i < numels.size() ? 2 * numels[i] : 0);
+    }
+    pack_rank_major(parts, part_numels, at::view_as_real(out).view(-1), world_size, 2 * column, 2 * shard_numel, scale);
+    return;
+  }
   TORCH_CHECK(out.is_cpu() && out.dim() == 1 && out.is_contiguous(),
               "pack_rank_major: out must be a contiguous 1-D CPU tensor, got ", out.sizes(), " on ", out.device());
   TORCH_CHECK(world_size >= 1 && out.numel() % world_size == 0, "pack_rank_major: out has ", out.numel(),

@@ -122,9 +122,15 @@ Future ProcessGroupTransport::track(c10::intrusive_ptr<c10d::Work> work) const {
   });
 }
 
+// Process groups take real dtypes only (gloo refuses complex, as torch's own
+// collectives know: they pass view_as_real). A complex tensor goes as its
+// interleaved real and imaginary parts: the same bytes, and a sum of them is
+// the complex sum.
+static at::Tensor as_real(const at::Tensor& t) { return t.is_complex() ? at::view_as_real(t).view(-1) : t; }
+
 Future ProcessGroupTransport::all_reduce(at::Tensor piece, double scale) {
   if (scale != 1.0) piece.mul_(scale);
-  std::vector<at::Tensor> tensors{std::move(piece)};
+  std::vector<at::Tensor> tensors{as_real(piece)};
   return track(process_group_->allreduce(tensors));
 }
 
@@ -132,7 +138,8 @@ Future ProcessGroupTransport::reduce_scatter(at::Tensor input, at::Tensor output
   TORCH_CHECK(input.numel() == output_shard.numel() * world_size(), "ProcessGroupTransport.reduce_scatter: input has ",
               input.numel(), " elements, world_size (", world_size(), ") x output_shard (", output_shard.numel(),
               ") expected");
-  at::Tensor scaled = scale != 1.0 ? input * scale : input;
+  at::Tensor scaled = as_real(scale != 1.0 ? input * scale : input);
+  output_shard = as_real(output_shard);
   try {
     return track(process_group_->_reduce_scatter_base(output_shard, scaled));
   } catch (const c10::Error&) {
@@ -147,6 +154,8 @@ Future ProcessGroupTransport::reduce_scatter(at::Tensor input, at::Tensor output
 Future ProcessGroupTransport::all_gather(at::Tensor shard, at::Tensor output) {
   TORCH_CHECK(output.numel() == shard.numel() * world_size(), "ProcessGroupTransport.all_gather: output has ",
               output.numel(), " elements, world_size (", world_size(), ") x shard (", shard.numel(), ") expected");
+  shard = as_real(shard);
+  output = as_real(output);
   try {
     return track(process_group_->_allgather_base(output, shard));
   } catch (const c10::Error&) {

@@ -3,7 +3,7 @@
 between ranks goes through (see [Note: transports] in
 csrc/transport/transport.h).
 
-    transport = open_transport(group, shm=None)          # collective, once per root
+    transport = open_transport(group, samples, shm=None) # collective, once per root
     fut = all_gather_unit(transport, shard, unsharded)   # unshard one unit
     fut = all_gather_units(transport, shards, outputs)   # unshard several as one collective
     rs = reduce_scatter_grads(transport, grads, numels, shard_numel, dtype)  # post-backward, a lone unit
@@ -53,12 +53,15 @@ __all__ = [
 ]
 
 
-def open_transport(group, shm: bool | None = None) -> pydist_transport.Transport:
-    """Collective over ``group``: the transport a root's units share. ``shm``:
-    None uses shared memory where every rank can (else the group), True
-    requires it (raises on every rank saying why not), False never uses it.
-    See [Note: which transport carries a sharded unit]."""
-    shm_transport = pydist_transport.open_shm(group, wanted=shm, owner="pydist.fully_shard", keyword="shm")
+def open_transport(group, samples: Sequence[torch.Tensor], shm: bool | None = None) -> pydist_transport.Transport:
+    """Collective over ``group``: the transport a root's units share.
+    ``samples``: a tensor of each dtype and device the units communicate in
+    (shards, unsharded buffers, reduce-scatter inputs). ``shm``: None uses
+    shared memory where every rank can carry all of them (else the group),
+    True requires it (raises on every rank saying why not), False never uses
+    it. See [Note: which transport carries a sharded unit]."""
+    shm_transport = pydist_transport.open_shm(group, list(samples), wanted=shm, owner="pydist.fully_shard",
+                                              keyword="shm")
     transport = shm_transport if shm_transport is not None else pydist_transport.ProcessGroupTransport(group)
     transport.set_stamp_completion(True)  # the per-unit records read completion times
     return transport

@@ -156,7 +156,11 @@ class FSDPState:
         for name, m in self.module.named_modules():
             if (s := state_of(m)) is not None and s.param_group is not None:
                 s.param_group.label = name  # records and errors name units by their place
-        transport = collectives.open_transport(self.group, self.shm)
+        # One tensor of each dtype the units communicate in, so that a dtype
+        # the shared-memory transport does not carry falls back to the group.
+        samples = [torch.empty(0, dtype=dt) for s in self.all_states if (pg := s.param_group) is not None
+                   for dt in {pg.dtype, pg.compute_dtype, pg.reduce_dtype}]
+        transport = collectives.open_transport(self.group, samples, self.shm)
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.transport = transport

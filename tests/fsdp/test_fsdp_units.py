@@ -78,7 +78,7 @@ def test_unimplemented_keywords_name_themselves():
 def _collectives_rank(rank, world_size, shm):
     import torch.distributed as dist
 
-    t = collectives.open_transport(dist.group.WORLD, shm=shm)
+    t = collectives.open_transport(dist.group.WORLD, [torch.empty(0)], shm=shm)
     out = {"name": t.name}
     # all-gather: rank r's shard holds 100*r + i
     shard = torch.arange(5, dtype=torch.float32) + 100 * rank
