@@ -349,16 +349,9 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
     """Loads full tensors (``full_state_dict``'s keys; any world size saved
     them) into this rank's shards; buffers and unsharded parameters load as
     ``load_state_dict`` would, and its missing and unexpected keys are
-    returned, or raised with ``strict=True``. Every parameter fully_shard
-    manages must have an entry either way."""
+    returned, or raised with ``strict=True``, as torch's: a parameter with
+    no entry keeps its shard and is among the missing keys."""
     _root_state(module)
-    units = _units(module)
-    keys = _keys_of_units(module, units)
-    for pg in units:
-        for fp in pg.fsdp_params:
-            if not any(k in state_dict for k in keys.get(id(fp), [])):
-                raise KeyError(f"pydist load_full_state_dict: no entry for parameter {fp.fqn!r} "
-                               f"(keys {keys.get(id(fp), [])}) of unit {pg.label!r}")
     with torch.no_grad():
         return module.load_state_dict(state_dict, strict=strict)
 

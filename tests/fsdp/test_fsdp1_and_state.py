@@ -230,7 +230,9 @@ def _strict_load_rank(rank, world_size, _unused):
         else:
             model = pydist.FullyShardedDataParallel(_Normed())
         model(torch.randn(3, 4)).sum().backward()
-        sd = {k: v for k, v in model.state_dict().items() if "running" not in k}  # no BatchNorm statistics
+        # no BatchNorm statistics, no Linear bias (a sharded parameter), a weight to load
+        sd = {k: v for k, v in model.state_dict().items() if "running" not in k and k != "lin.bias"}
+        sd["lin.weight"] = torch.full_like(sd["lin.weight"], 3.0)
         sd["extra.weight"] = torch.zeros(1)
         try:
             model.load_state_dict(sd)
@@ -239,6 +241,7 @@ def _strict_load_rank(rank, world_size, _unused):
             out[impl, "strict"] = str(exc).split(":\n")[-1]  # the keys, without the wrapper's name
         keys = model.load_state_dict(sd, strict=False)
         out[impl, "loose"] = (sorted(keys.missing_keys), sorted(keys.unexpected_keys))
+        out[impl, "loaded"] = {k: v.clone() for k, v in model.state_dict().items()}
     return out
 
 
@@ -248,3 +251,6 @@ def test_fsdp1_load_state_dict_strict_names_missing_and_unexpected_keys_as_torch
         assert "running_mean" in out["torch", "strict"] and "extra.weight" in out["torch", "strict"]
         assert out["pydist", "strict"] == out["torch", "strict"], f"rank {rank}: {out['pydist', 'strict']}"
         assert out["pydist", "loose"] == out["torch", "loose"], f"rank {rank}: {out['pydist', 'loose']}"
+        assert "lin.bias" in out["torch", "loose"][0]
+        for k, ref in out["torch", "loaded"].items():  # loaded where listed, kept where missing
+            assert torch.equal(out["pydist", "loaded"][k], ref), f"rank {rank}: {k} after the loose load"
