@@ -117,6 +117,7 @@ class FSDPState:
         # Units: the root iteration whose forward ran this unit with grad
         # enabled (a second run in the same one is refused).
         self.forward_iteration = -1
+        self._recomputing = False  # this forward is a recompute in backward: see _is_recompute
         self.final_callback_queued = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
         # Root only, during its forward: the tensor a unit's post-forward hooked
@@ -216,19 +217,25 @@ class FSDPState:
         if self.root is None:
             self._lazy_init()
         root = self.root
+        pg = self.param_group
+        self._recomputing = self._is_recompute()
+        if self._recomputing:
+            # Activation checkpointing recomputing the forward in backward:
+            # the unit needs its parameters (left unsharded for its backward,
+            # which comes next), and nothing else of a forward applies
+            # (order, reuse check, post-backward hooks, resharding). As
+            # torch's FSDP2, which skips its input casts here too.
+            if pg is not None:
+                pg.wait_for_unshard("backward")
+            return args, kwargs
         if self.is_root:
             self._root_pre_forward()
-        pg = self.param_group
-        if pg is not None and pg.training_state == TrainingState.PRE_BACKWARD:
-            # Activation checkpointing recomputing the unit's forward in its
-            # backward: the pre-backward hook unsharded it, and nothing of a
-            # forward (order, post-backward hooks, resharding) applies. As
-            # torch's FSDP2, which skips its input casts here too.
-            return args, kwargs
         mp = self.mp_policy
         if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
         if pg is None:
+            if torch.is_grad_enabled():
+                self.forward_iteration = root.iteration
             return args, kwargs
         if torch.is_grad_enabled() and self.forward_iteration == root.iteration:
             raise RuntimeError(
@@ -256,10 +263,24 @@ class FSDPState:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
-    def _post_forward(self, module, args, output):
+    def _is_recompute(self) -> bool:
+        """Whether this forward is activation checkpointing's recompute in
+        backward: the unit is in its backward already, or it ran forward with
+        grad in this iteration and autograd is running now (a checkpointed
+        region holding several units recomputes them all at the first
+        saved tensor it needs, before their backward). A reentrant
+        checkpoint's first forward ran without grad, so its recompute is the
+        unit's forward proper: it hooks the outputs the inner backward runs on."""
         pg = self.param_group
         if pg is not None and pg.training_state == TrainingState.PRE_BACKWARD:
-            return output  # a recompute in backward: see _pre_forward
+            return True
+        return self.forward_iteration == self.root.iteration and torch._C._current_graph_task_id() != -1
+
+    def _post_forward(self, module, args, output):
+        pg = self.param_group
+        if self._recomputing:
+            self._recomputing = False
+            return output  # see _pre_forward
         if pg is not None:
             # The root keeps its parameters for backward, unless there is none.
             reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())

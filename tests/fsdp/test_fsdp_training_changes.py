@@ -126,24 +126,27 @@ def test_bitwise_torch_fsdp2(scenario, mixed):
 
 
 class Checkpointed(nn.Module):
-    """Each block, a unit, under non-reentrant activation checkpointing: its
-    forward runs again in backward."""
+    """Each block under activation checkpointing: its forward runs again in
+    backward, where the block is a unit, holds two (the recompute reaches
+    both before either's backward, from the LayerNorm after them), or both."""
 
-    def __init__(self, d: int = 8):
+    def __init__(self, reentrant: bool, d: int = 8):
         super().__init__()
+        self.reentrant = reentrant
         self.inp = nn.Linear(d, d)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(3)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), nn.LayerNorm(d))
+                                     for _ in range(3)])
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
 
         x = self.inp(x)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
         return x
 
 
-def _checkpointed(rank, world_size):
+def _checkpointed(rank, world_size, layout, reentrant):
     import pydist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -151,11 +154,15 @@ def _checkpointed(rank, world_size):
     out = {}
     for impl in ("torch", "pydist"):
         torch.manual_seed(0)
-        model = Checkpointed()
+        model = Checkpointed(reentrant)
         shard = torch_fully_shard if impl == "torch" else pydist.fully_shard
         kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
         for block in model.blocks:
-            shard(block, **kwargs)
+            if layout in ("inner", "both"):
+                shard(block[0], **kwargs)
+                shard(block[2], **kwargs)
+            if layout in ("block", "both"):
+                shard(block, **kwargs)
         shard(model, **kwargs)
         _train(model, torch.optim.SGD(model.parameters(), lr=0.05), rank, 3)
         out[impl] = _full(impl, model)
@@ -163,8 +170,9 @@ def _checkpointed(rank, world_size):
 
 
 @pytest.mark.timeout(120)
-def test_activation_checkpointing_around_units_bitwise_torch_fsdp2():
-    _assert_bitwise(run_ranks(_checkpointed, 2, timeout=110), "torch FSDP2's")
+@pytest.mark.parametrize("layout,reentrant", [("block", False), ("inner", False), ("both", False), ("block", True)])
+def test_activation_checkpointing_around_units_bitwise_torch_fsdp2(layout, reentrant):
+    _assert_bitwise(run_ranks(_checkpointed, 2, args=(layout, reentrant), timeout=110), "torch FSDP2's")
 
 
 def _fsdp1_unused(rank, world_size):
