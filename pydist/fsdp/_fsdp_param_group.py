@@ -208,10 +208,14 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         # See [Note: parameters without a gradient]: True gives every
         # trainable shard a .grad (torch FSDP1's answer), False leaves those
-        # no rank had a gradient for as they are (FSDP2's). The trainable
-        # parameters that had none here in the last synced backward.
+        # no rank had a gradient for as they are (FSDP2's). Per parameter,
+        # whether it had a gradient here in this synced backward (None: the
+        # unit reduced nothing yet), and the parameters whose shards get a
+        # .grad from it once the root has asked every rank (None: the
+        # trainable ones, the common case).
         self.zeros_for_unused = zeros_for_unused
-        self._no_local_grad: set[int] = set()
+        self.had_grad: list[bool] | None = None
+        self._grads_for: list[FSDPParam] | None = None
         self.requires_gradient_sync = True
         # The all-gather in flight while UNSHARDING (an UnshardResult), and
         # (issued_ns, phase) for its record.
@@ -345,19 +349,20 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
-        trainable = self._trainable
-        if not trainable:
+        if not self._trainable and not self.has_pending_grads():
             self._reshard_after_backward()
             return
+        # Every parameter holding a gradient, frozen or not: one frozen
+        # (requires_grad_(False)) between micro-batches of gradient
+        # accumulation still reduces what it accumulated, as torch's FSDP2.
         keep = not self.requires_gradient_sync
-        for fp in trainable:
+        for fp in self.fsdp_params:
             if keep or fp.accumulated_grad is not None:
                 fp.accumulate_grad(self.reduce_dtype, keep=keep)
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
             grads = self._grads_to_reduce()
-            if not self.zeros_for_unused:
-                self._no_local_grad = {id(fp) for fp, g in zip(self.fsdp_params, grads) if g is None and fp.requires_grad}
+            self.had_grad = [g is not None for g in grads]
             self._reduce_issued = time.monotonic_ns()
             batch, self.grad_batch = self.grad_batch, None
             if batch is not None and not batch.launched:
@@ -368,7 +373,7 @@ class FSDPParamGroup:
             else:
                 self._reduce = collectives.all_reduce_grads(self.transport, grads, self._numels, self.padded_numel,
                                                             self.dtype)
-            for fp in trainable:  # packed: the reduce-scatter input holds them now
+            for fp in self.fsdp_params:  # packed: the reduce-scatter input holds them now
                 fp.accumulated_grad = None
                 if fp.unsharded_param is not None:
                     fp.unsharded_param.grad = None
@@ -380,7 +385,7 @@ class FSDPParamGroup:
 
     def _grads_to_reduce(self) -> list:
         """Per parameter, the gradient to reduce, in reduce_dtype and
-        contiguous, or None (frozen, or no gradient this backward: zeros)."""
+        contiguous, or None (no gradient this backward: zeros)."""
         if self._all_trainable:  # the common case: every gradient there, as it is
             grads = [fp.grad_to_reduce() for fp in self.fsdp_params]
             dtype = self.reduce_dtype
@@ -391,7 +396,7 @@ class FSDPParamGroup:
                 return grads
         grads = []
         for fp in self.fsdp_params:
-            grad = fp.grad_to_reduce() if fp.requires_grad else None
+            grad = fp.grad_to_reduce()
             if grad is not None:
                 grad = grad.to(self.reduce_dtype).contiguous()  # no copy when it already is
             grads.append(grad)
@@ -416,7 +421,7 @@ class FSDPParamGroup:
     def has_pending_grads(self) -> bool:
         """Whether gradients of earlier backwards wait to be reduced (gradient
         sync was off)."""
-        return any(fp.grad_to_reduce() is not None for fp in self._trainable)
+        return any(fp.grad_to_reduce() is not None for fp in self.fsdp_params)
 
     def sync_requires_grad(self) -> None:
         """Takes up ``requires_grad`` switched on the parameters the optimizer
@@ -440,28 +445,33 @@ class FSDPParamGroup:
 
     # [Note: parameters without a gradient]
     # A parameter that gets no gradient on some ranks is packed as zeros from
-    # them, so every rank issues the same collectives. One that gets none on
-    # any rank: torch's FSDP2 leaves its .grad as it was (None after
-    # zero_grad), so AdamW's weight decay and momentum skip it; torch's FSDP1
-    # reduces its flat gradient, zeros there. A shard that had no gradient
-    # here and whose reduced piece is all zeros had none anywhere (or ones
-    # that sum to exactly zero, a case FSDP2 cannot reduce at all): it is
-    # left as it is unless zeros_for_unused (pydist.FullyShardedDataParallel).
+    # them, so every rank issues the same collectives, and every rank's shard
+    # of it gets a .grad. One that gets none on any rank: torch's FSDP2
+    # leaves its .grad as it was (None after zero_grad), so AdamW's weight
+    # decay and momentum skip it; torch's FSDP1 reduces its flat gradient,
+    # zeros there (zeros_for_unused: pydist.FullyShardedDataParallel). Which
+    # case a parameter is in takes every rank's word: what this rank saw,
+    # and its reduced piece being zero, do not tell (another rank's gradient
+    # can be zero on this rank's slice: embedding rows not looked up). So
+    # each synced post-backward notes which parameters had a gradient here
+    # (had_grad), and the root's final callback sums those flags over the
+    # ranks, one small all-reduce for all its units, before any shard gets
+    # its .grad (take_grads_anywhere). A frozen parameter that still holds a
+    # gradient (frozen between micro-batches) is reduced and handed out too.
+    def take_grads_anywhere(self, counts: Sequence[float]) -> None:
+        """``counts``: per parameter, how many ranks had a gradient for it in
+        this backward. See [Note: parameters without a gradient]."""
+        self.had_grad = None
+        zeros = self.zeros_for_unused
+        chosen = [fp for fp, n in zip(self.fsdp_params, counts) if n > 0 or (zeros and fp.requires_grad)]
+        self._grads_for = None if chosen == self._trainable else chosen
+
     def grads_to_hand_out(self, pieces, base: int = 0) -> tuple[list, list]:
         """(the sharded parameters that get a ``.grad``, their pieces of the
         reduced output), ``pieces[base + fp._grad_index]`` being each one's.
         See [Note: parameters without a gradient]."""
-        if not self._no_local_grad:
-            return ([fp.sharded_param for fp in self._trainable],
-                    [pieces[base + fp._grad_index] for fp in self._trainable])
-        params, grads = [], []
-        for fp in self._trainable:
-            piece = pieces[base + fp._grad_index]
-            if id(fp) in self._no_local_grad and not piece.any():
-                continue
-            params.append(fp.sharded_param)
-            grads.append(piece)
-        return params, grads
+        chosen = self._trainable if self._grads_for is None else self._grads_for
+        return [fp.sharded_param for fp in chosen], [pieces[base + fp._grad_index] for fp in chosen]
 
     # --- helpers -------------------------------------------------------------
 

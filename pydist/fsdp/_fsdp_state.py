@@ -66,6 +66,7 @@ its own, one unit ahead.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from typing import Any
@@ -178,6 +179,7 @@ class FSDPState:
             if state.param_group is not None:
                 state.param_group.clear_records()
                 state.param_group.sync_requires_grad()
+                state.param_group.had_grad = None  # a backward that failed before its final callback
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
@@ -204,12 +206,28 @@ class FSDPState:
         batches, self.grad_batches = self.grad_batches, []
         for batch in batches:
             batch.launch()  # those some member never reached (a unit skipped this backward)
+        self._agree_on_grads()
         for batch in batches:
             batch.finalize()  # one wait per batch; its members' shards get their .grad
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.finalize_backward()
         self.final_callback_queued = False
+
+    def _agree_on_grads(self) -> None:
+        """Sums the units' had_grad flags over the ranks, so that every rank
+        hands out the same parameters' .grad: see [Note: parameters without
+        a gradient] in _fsdp_param_group.py."""
+        units = [pg for state in self.all_states if (pg := state.param_group) is not None and pg.had_grad is not None]
+        if not units:
+            return
+        flags = torch.tensor(list(itertools.chain.from_iterable(pg.had_grad for pg in units)), dtype=torch.float32)
+        counts = collectives.all_reduce_sum(self.transport, flags).tolist()
+        start = 0
+        for pg in units:
+            end = start + len(pg.fsdp_params)
+            pg.take_grads_anywhere(counts[start:end])
+            start = end
 
     # --- hooks ----------------------------------------------------------------
 

@@ -79,6 +79,9 @@ SCENARIOS = {
     "frozen_after_a_step": [(None, [((), True)]), ("freeze", [((), True)]), (None, [((), True)])],
     "unfrozen_after_a_step": [("freeze_at_wrap", [((), True)]), ("unfreeze", [((), True)]), (None, [((), True)])],
     "unused_everywhere": [("spare", [((), True)]), (None, [((), True)]), (None, [((), False), ((), True)])],
+    # frozen after the first micro-batch: what it accumulated is still reduced and stepped on
+    "frozen_between_micro_batches": [("freeze_after_first", [((), False), ((), True)]), ("unfreeze", [((), True)]),
+                                     (None, [((), True)])],
 }
 
 
@@ -97,10 +100,12 @@ def _run(rank, world_size, impl, scenario, mixed):
     for change, micro_batches in steps:
         if change in ("freeze", "unfreeze"):
             weight.requires_grad_(change == "unfreeze")
-        for skip, sync in micro_batches:
+        for i, (skip, sync) in enumerate(micro_batches):
             model.skip = skip
             model.set_requires_gradient_sync(sync)
             model(torch.randn(4, 8, generator=gen)).float().pow(2).sum().backward()
+            if change == "freeze_after_first" and i == 0:
+                weight.requires_grad_(False)
         log.append(tuple(n for n, p in model.named_parameters() if p.grad is None))
         opt.step()
         opt.zero_grad()
@@ -116,7 +121,8 @@ def _both(rank, world_size, scenario, mixed):
                                             ("skipped_in_synced_micro_batch", True),
                                             ("frozen_before_first_forward", False), ("frozen_after_a_step", False),
                                             ("unfrozen_after_a_step", False), ("unused_everywhere", False),
-                                            ("unused_everywhere", True)])
+                                            ("unused_everywhere", True), ("frozen_between_micro_batches", False),
+                                            ("frozen_between_micro_batches", True)])
 def test_bitwise_torch_fsdp2(scenario, mixed):
     for rank, out in enumerate(run_ranks(_both, 2, args=(scenario, mixed), timeout=140)):
         (ref, ref_log), (got, got_log) = out["torch"], out["pydist"]
@@ -197,3 +203,54 @@ def _fsdp1_unused(rank, world_size):
 @pytest.mark.timeout(120)
 def test_fsdp1_front_door_gives_unused_parameters_zeros_as_torch_fsdp1():
     _assert_bitwise(run_ranks(_fsdp1_unused, 2, timeout=110), "torch FSDP1's")
+
+
+class Branchy(nn.Module):
+    """An embedding only rank 0 looks up, rows 0 and 1: the averaged
+    gradient of the rows rank 1 keeps is exactly zero, but rank 0 had one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(8, 4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, ids=None):
+        h = self.lin(x)
+        return h if ids is None else h + self.emb(ids).sum(0)
+
+
+def _branchy_inputs(rank: int):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    return x, (torch.tensor([0, 1]) if rank == 0 else None)
+
+
+def _branchy(rank, world_size, front):
+    import pydist
+
+    model = Branchy()
+    model = pydist.fully_shard(model) if front == "fully_shard" else pydist.FullyShardedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(2):
+        model(*_branchy_inputs(rank)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return pydist.fsdp.full_state_dict(getattr(model, "_fsdp_wrapped_module", model))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("front", ["fully_shard", "FullyShardedDataParallel"])
+def test_parameter_used_on_some_ranks_steps_as_the_global_batch(front):
+    """Every rank's shard of it gets a .grad (AdamW decays it everywhere), as
+    one process on the global batch: torch's FSDP2 cannot reduce this case."""
+    model = Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(2):
+        for rank in range(2):
+            (model(*_branchy_inputs(rank)).pow(2).sum() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, got in enumerate(run_ranks(_branchy, 2, args=(front,), timeout=110)):
+        for k, ref in model.state_dict().items():
+            assert torch.equal(got[k], ref), f"rank {rank}: {k} differs from the global batch by " \
+                                              f"{(got[k] - ref).abs().max().item()}"
