@@ -155,6 +155,8 @@ class FSDPState:
                     "pydist.fully_shard: every unit under one root must shard over the same group (mesh)"
                 )
             state.root = self
+            if state is not self and state.batch_bytes != DEFAULT_BATCH_BYTES:
+                state.refuse_batch_bytes_off_root()
         for name, m in self.module.named_modules():
             if (s := state_of(m)) is not None and s.param_group is not None:
                 s.param_group.label = name  # records and errors name units by their place
@@ -167,6 +169,13 @@ class FSDPState:
             if state.param_group is not None:
                 state.param_group.transport = transport
         self.transport = transport
+
+    def refuse_batch_bytes_off_root(self) -> None:
+        raise ValueError(
+            f"pydist.fully_shard: set_collective_batch_bytes on {type(self.module).__name__}, which is not a root "
+            f"(its root is {type(self.root.module).__name__}): the root plans every unit's collectives, so call it "
+            "on the root"
+        )
 
     def _root_pre_forward(self) -> None:
         self.iteration += 1

@@ -187,7 +187,10 @@ class FSDPModule:
         (pydist/fsdp/_fsdp_state.py). Takes effect from the next forward."""
         if nbytes < 0:
             raise ValueError(f"set_collective_batch_bytes: nbytes must be >= 0, got {nbytes}")
-        state_of(self).batch_bytes = int(nbytes)
+        state = state_of(self)
+        if state.root is not None and state.root is not state:
+            state.refuse_batch_bytes_off_root()
+        state.batch_bytes = int(nbytes)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         raise NotImplementedError("pydist.fully_shard: set_is_last_backward is not implemented yet")

@@ -1,6 +1,8 @@
 """What pydist's FSDP refuses instead of training wrong, on spawned gloo
 ranks: a unit run twice before one backward, a weight tied across two
-units; and reading records is local (no collective), so one rank may."""
+units, set_collective_batch_bytes on a unit that is not a root (before and
+after the first forward); and reading records is local (no collective), so
+one rank may."""
 
 import pytest
 import torch
@@ -37,7 +39,7 @@ def _shard_blocks_then_root(model: nn.Module) -> nn.Module:
 def _message(fn) -> str:
     try:
         fn()
-    except (RuntimeError, NotImplementedError) as exc:
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
@@ -71,6 +73,15 @@ def _misuse_rank(rank, world_size):
     model[1].weight = model[0].weight
     fully_shard(model[0])
     out["tied"] = _message(lambda: fully_shard(model))
+
+    # The batch size set on a unit the root plans for: refused at the root's
+    # first forward, and on the unit after it.
+    model = _shard_blocks_then_root(_blocks())
+    model[0].set_collective_batch_bytes(0)
+    out["batch_bytes_before"] = _message(lambda: model(x))
+    model = _shard_blocks_then_root(_blocks())
+    model(x)
+    out["batch_bytes_after"] = _message(lambda: model[1].set_collective_batch_bytes(0))
     return out
 
 
@@ -86,3 +97,6 @@ def test_misuse_is_refused_and_records_are_local():
         assert "backward reached it again" in out["two_forwards"], out["two_forwards"]
         assert out["tied"].startswith("NotImplementedError"), out["tied"]
         assert "parameter 1.weight" in out["tied"] and "Linear (as weight)" in out["tied"], out["tied"]
+        for when in ("before", "after"):
+            message = out[f"batch_bytes_{when}"]
+            assert message.startswith("ValueError") and "Linear, which is not a root" in message, message
