@@ -76,7 +76,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup, GradBatch, ShardedState, TrainingState, unshard_units
+from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ShardedState, TrainingState, UnshardPool,
+                                           unshard_units)
 
 __all__ = ["FSDPState", "state_of", "GatherPlan", "DEFAULT_BATCH_BYTES"]
 
@@ -157,9 +158,12 @@ class FSDPState:
             if (s := state_of(m)) is not None and s.param_group is not None:
                 s.param_group.label = name  # records and errors name units by their place
         transport = collectives.open_transport(self.group, self.shm)
+        pool = UnshardPool()  # see [Note: the unsharded buffer's memory]
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.transport = transport
+                state.param_group.pool = pool
+                state.param_group.is_root = state is self
         self.transport = transport
 
     def _root_pre_forward(self) -> None:
