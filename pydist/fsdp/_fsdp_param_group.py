@@ -476,11 +476,23 @@ class FSDPParamGroup:
             grads.append(grad)
         return grads
 
+    # [Note: resharding after backward]
+    # As torch's FSDP2: post_backward reshards a unit only when
+    # reshard_after_backward (set_reshard_after_backward), and
+    # finalize_backward does not reshard what backward left unsharded, so
+    # under False the unit's parameters stay unsharded into the next
+    # forward, which then gathers nothing for it (the memory traded for the
+    # communication in gradient accumulation). They are the values gathered
+    # before the optimizer stepped, in torch too: a user steps the optimizer
+    # after a backward with True, or calls ``reshard()``. An all-gather still
+    # in flight at the end of backward (a prefetch whose backward did not
+    # come) is waited and resharded under either setting, as torch drops it.
     def finalize_backward(self) -> None:
         """Waits for the reduce-scatter and hands each shard its ``.grad`` (a
         view of the reduced shard; added to a ``.grad`` the user kept). A
         unit of a GradBatch was finalized by the batch already
-        (``GradBatch.finalize``): here it only reshards."""
+        (``GradBatch.finalize``): here it only reshards, unless
+        reshard_after_backward is off (see [Note: resharding after backward])."""
         reduce, self._reduce = self._reduce, None
         self.grad_batch = None
         if reduce is not None:
@@ -489,7 +501,11 @@ class FSDPParamGroup:
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self._timings += (kind, "backward", self._reduce_issued, needed, completed)
             self._hand_out_grads(reduce.output)
-        self.reshard()
+        # See [Note: resharding after backward].
+        if self.reshard_after_backward or self.sharded_state != ShardedState.UNSHARDED:
+            self.reshard()
+        else:
+            self._leave_pool()
         self.training_state = TrainingState.IDLE
 
     def has_pending_grads(self) -> bool:
