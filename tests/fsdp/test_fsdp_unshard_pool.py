@@ -3,8 +3,8 @@ pydist/fsdp/_fsdp_param_group.py): during training the units' unsharded
 storages point into at most POOL_SLOTS slots, no two live buffers share a
 byte, and the slots stop growing after the first step; a long run that
 changes reshard_after_forward, explicit unshard, prefetch targets and
-reshard_after_backward between steps stays bitwise torch FSDP2's at two
-ranks; and the pool's guards raise on a slot handed out twice, on units
+reshard_after_backward between steps (one of them inside a unit's forward,
+after it borrowed a slot) stays bitwise torch FSDP2's at two ranks; and the pool's guards raise on a slot handed out twice, on units
 placed over one another and on a storage re-pointed behind pydist's back."""
 
 import pytest
@@ -151,6 +151,15 @@ def _change(model, step: int) -> list:
         blocks[0].set_modules_to_forward_prefetch([])
     if step == 7:
         model.outer.set_reshard_after_forward(True, recurse=False)
+        # Told inside its forward, once unsharded (into a slot, for pydist),
+        # not to reshard after it: pydist moves it out of the slot.
+        def keep(module, args):
+            blocks[3].set_reshard_after_forward(False, recurse=False)
+            handle.remove()
+
+        handle = blocks[3][0].register_forward_pre_hook(keep)
+    if step == 8:
+        blocks[3].set_reshard_after_forward(True, recurse=False)
     if step in (4, 6):  # gradient accumulation that keeps the units unsharded between micro-batches
         return [(False, False), (False, False), (True, True)]
     return [(True, True)]
@@ -164,6 +173,16 @@ def _train(rank, world_size, impl, mixed, steps):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(100 + rank)
     log, slot_ptrs = [], []
+    moved = [0]  # times blocks[3] left a pool slot while unsharded
+    if impl == "pydist":
+        pg = model.blocks[3]._pydist_fsdp_state.param_group
+        leave_pool = pg._leave_pool
+
+        def counting_leave_pool():
+            moved[0] += pg._slot is not None
+            leave_pool()
+
+        pg._leave_pool = counting_leave_pool
     for step in range(steps):
         micro_batches = _change(model, step)
         if step == 1 and impl == "pydist":  # the first forward opened the pool: watch it from now on
@@ -188,7 +207,7 @@ def _train(rank, world_size, impl, mixed, steps):
     if probe is not None:
         out.update(samples=probe.samples, pooled=probe.pooled, owning=probe.owning,
                    max_live_slots=probe.max_live_slots, problems=probe.problems, slot_ptrs=slot_ptrs,
-                   owning_by_step=probe.owning_by_step)
+                   owning_by_step=probe.owning_by_step, moved=moved[0])
     return out
 
 
@@ -215,6 +234,7 @@ def test_pool_bounded_and_mixed_settings_bitwise_torch_fsdp2(mixed):
         # prefetch targets, which own their memory.
         assert got["owning_by_step"].get(1, 0) == 0, got["owning_by_step"]
         assert got["pooled"] > 0 and got["owning"] > 0, (got["pooled"], got["owning"])
+        assert got["moved"] == 1, f"rank {rank}: blocks.3 left the pool {got['moved']} times (step 7: once)"
         # The slots grew in the first steps, and no later step allocated them again.
         assert got["slot_ptrs"][2] == got["slot_ptrs"][-1], got["slot_ptrs"]
 
