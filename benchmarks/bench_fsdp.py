@@ -190,6 +190,10 @@ def _time_rank(rank, world_size, model_key, rounds, steps):
     memory = {}
     for mode, (model, opt) in built.items():
         nbytes = _persistent(model, opt)
+        if mode in ("pydist", "pydist_pg"):  # and the unshard pool, memory it keeps between steps
+            from pydist.fsdp import persistent_bytes
+
+            nbytes += persistent_bytes(model).pools
         if mode.endswith("_ddp"):
             local_numel = psi / world_size  # replicated: no padding, and no sharding
         elif mode == "torch":  # DTensor local shards are padded per parameter on dim 0

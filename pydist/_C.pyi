@@ -178,5 +178,12 @@ def pack_rank_major(
 def accumulate_into_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
     """Each ``grads[i]`` becomes ``params[i].grad`` (viewed in its shape), or is added to the one it has."""
 
+def point_storage_into(buffer: torch.Tensor, slot: torch.Tensor, offset_bytes: int) -> None:
+    """Points ``buffer``'s storage (holding no memory) at ``slot``'s bytes from
+    ``offset_bytes`` on, without owning them; the caller keeps ``slot`` alive."""
+
+def point_storage_at_nothing(buffer: torch.Tensor) -> None:
+    """Leaves ``buffer``'s storage with no memory (frees it if it owned it)."""
+
 def streaming_isa() -> str:
     """Instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)."""

@@ -172,6 +172,35 @@ void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vec
   }
 }
 
+// --- a sharded unit's unsharded buffer in a pool slot ------------------------------
+
+void point_storage_into(const at::Tensor& buffer, const at::Tensor& slot, int64_t offset_bytes) {
+  TORCH_CHECK(buffer.device().is_cpu() && slot.device().is_cpu(), "point_storage_into: buffer on ", buffer.device(),
+              ", slot on ", slot.device(), "; the pool is CPU memory");
+  TORCH_CHECK(buffer.is_contiguous() && buffer.storage_offset() == 0 && slot.is_contiguous(),
+              "point_storage_into: buffer and slot must be contiguous, the buffer at storage offset 0 (it is at ",
+              buffer.storage_offset(), ")");
+  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  TORCH_CHECK(storage->nbytes() == 0 && storage->data() == nullptr, "point_storage_into: the buffer's storage holds ",
+              storage->nbytes(), " bytes at ", storage->data(), "; a storage is pointed into a slot only while it holds "
+              "no memory (reshard first)");
+  const int64_t nbytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
+  const int64_t slot_bytes = slot.numel() * static_cast<int64_t>(slot.element_size());
+  TORCH_CHECK(offset_bytes >= 0 && offset_bytes % static_cast<int64_t>(buffer.element_size()) == 0 &&
+                  offset_bytes + nbytes <= slot_bytes,
+              "point_storage_into: bytes [", offset_bytes, ", ", offset_bytes + nbytes, ") do not lie aligned in the slot's ",
+              slot_bytes);
+  auto* data = static_cast<char*>(slot.data_ptr()) + offset_bytes;
+  storage->set_data_ptr_noswap(at::DataPtr(data, buffer.device()));  // no deleter: the slot owns the memory
+  storage->set_nbytes(static_cast<size_t>(nbytes));
+}
+
+void point_storage_at_nothing(const at::Tensor& buffer) {
+  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, buffer.device()));  // frees what it owned, if it owned it
+  storage->set_nbytes(0);
+}
+
 // --- gradient placements --------------------------------------------------------
 
 const at::Tensor& GradPlacement::zeros_for(int64_t index) {

@@ -113,4 +113,27 @@ void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const 
 // Called by pydist/fsdp's finalize, once per reduce-scatter.
 void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
 
+// --- a sharded unit's unsharded buffer in a pool slot (pydist/fsdp) --------------
+//
+// See [Note: the unsharded buffer's memory] in pydist/fsdp/_fsdp_param_group.py.
+// The unit keeps one storage object for its unsharded buffer for good (the
+// tensors autograd saved are views of it); while unsharded its memory may be
+// borrowed from a pool slot, the storage pointing into the slot without
+// owning it, and is given back on reshard.
+
+// Points `buffer`'s storage at slot's bytes [offset_bytes, offset_bytes +
+// buffer's bytes), without owning them: the caller keeps `slot` alive and
+// unchanged until point_storage_at_nothing. Requires `buffer` contiguous at
+// storage offset 0 on the CPU, its storage holding no memory (0 bytes: a
+// storage is never re-pointed while it points somewhere, so a slot cannot be
+// handed to a unit that still uses other memory), `slot` a contiguous CPU
+// tensor the range lies inside, and offset_bytes aligned to buffer's element
+// size. Called by pydist/fsdp's unshard, once per pooled unit and unshard.
+void point_storage_into(const at::Tensor& buffer, const at::Tensor& slot, int64_t offset_bytes);
+
+// Leaves `buffer`'s storage with no memory (a null pointer, 0 bytes), freeing
+// what it owned (a non-owning pointer into a slot frees nothing). Called by
+// pydist/fsdp's reshard.
+void point_storage_at_nothing(const at::Tensor& buffer);
+
 }  // namespace pydist

@@ -16,20 +16,49 @@ the gradients, so rank r receives exactly the gradient of its shard.
 
 [Note: the unsharded buffer's memory]
 Autograd keeps the unsharded parameters a unit's forward used (``Linear``
-saves its weight) and reads them in backward. As torch's FSDP2 does,
-``reshard`` gives the buffer's memory back (``untyped_storage().resize_(0)``)
-and ``unshard`` gives it memory again and all-gathers into it: the tensors
-autograd saved are views of that same storage, so backward reads the
-re-gathered values, and the version counters are left alone (see
-``all_gather_unit``). A pool of buffers shared between units (prefetch depth
-+ 1) cannot be had this way, since a saved view pins its unit's storage
-object; it needs saved-tensor hooks that re-point saved views at whichever
-pool buffer holds the unit in backward. Not done yet: each unit has its own
-storage, holding memory only while unsharded. What bounds that memory is the
-root's plan (see [Note: gather and reduce plans] in _fsdp_state.py): at most
-the batch being computed and the one gathered ahead, each up to batch_bytes
-(or one unit, when a unit alone is larger), plus, under
-reshard_after_forward=False, what forward left unsharded.
+saves its weight) and reads them in backward. The tensors it saved are views
+of the unit's unsharded buffer, so they pin its storage *object*: each unit
+keeps one storage object for good, and only the memory behind it comes and
+goes. ``reshard`` leaves the storage with no memory (a null pointer, 0
+bytes: ``_C.point_storage_at_nothing``), ``unshard`` gives it memory again
+and all-gathers into it, so backward reads the re-gathered values through
+the saved views (the version counters are left alone: see
+``all_gather_unit``).
+
+The memory comes from the root's pool (``UnshardPool``): POOL_SLOTS = 2
+slots, prefetch depth + 1 (the batch being computed and the one the root's
+plan gathers ahead; see [Note: gather and reduce plans] in _fsdp_state.py).
+A slot is one allocation that only grows (to the largest batch it held), and
+a batch of units gathered as one collective shares one slot, each unit's
+storage pointing at its offset without owning it
+(``_C.point_storage_into``). So once the slots have grown a step allocates
+nothing for the unsharded buffers, where giving every unit its own memory at
+each unshard (``resize_``) cost a malloc and a free per unit, and for a
+large unit fresh zeroed pages from the kernel every time. (A batched gather
+still stages through a rank-major buffer of its own, freed at its wait: see
+``UnitsGather``.)
+
+What makes reuse safe, by construction: a slot is taken whole at unshard,
+only when no unit points into it, and is given back only when the last unit
+in it has resharded (``PoolSlot.users``); a unit's storage is pointed only
+while it holds no memory. ``PoolSlot.take`` and ``PoolSlot.give_back`` check
+both and raise, naming the units, rather than let two batches share bytes.
+
+Who borrows a slot: a unit unsharded by the root's plan or by its own
+pre-forward / pre-backward, when it will reshard at the end of that phase
+(reshard_after_forward in forward, and not the root, which keeps its
+parameters for backward; reshard_after_backward in backward). Everything
+else owns its memory as before (``resize_``): an explicit ``unshard()``, a
+``set_modules_to_forward_prefetch`` / ``_backward_prefetch`` target, the
+root, units under reshard_after_forward=False or set_reshard_after_backward(
+False), and a batch that finds both slots taken (a parent unit computing
+around its children holds its slot throughout). A borrowing unit that turns
+out not to reshard when expected (its post-forward or post-backward does not
+reshard it: the settings changed in between) moves its
+bytes to memory of its own first (``_leave_pool``), so no slot outlives its
+phase. The pool is CPU memory, as pydist shards CPU parameters only. Its
+bytes persist between iterations and are counted as such
+(``pydist.fsdp.persistent_bytes(...).pools``).
 
 [Note: mixed precision]
 With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the
@@ -54,7 +83,8 @@ from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 
-__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units"]
+__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
+           "UnshardPool", "PoolSlot", "POOL_SLOTS"]
 
 
 class CollectiveRecord(NamedTuple):
@@ -240,22 +270,64 @@ class FSDPParamGroup:
         # reshards it if its forward does not come (see [Note: gather and
         # reduce plans] in _fsdp_state.py).
         self.gathered_ahead = False
+        # Set by the root at its lazy init: the pool of unshard slots every
+        # unit of the root shares, and whether this is the root's own unit
+        # (it keeps its parameters from forward to backward). See [Note: the
+        # unsharded buffer's memory]. The slot the unsharded buffer points
+        # into while unsharded (None: it owns its memory, or has none).
+        self.pool: UnshardPool | None = None
+        self.is_root = False
+        self._slot: PoolSlot | None = None
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
 
-    def unshard(self, phase: str = "explicit") -> None:
-        """Starts the all-gather of the unit's parameters (no-op unless SHARDED)."""
+    def unshard(self, phase: str = "explicit", pooled: bool = False) -> None:
+        """Starts the all-gather of the unit's parameters (no-op unless
+        SHARDED); ``pooled``: into a pool slot when one is free and the unit
+        may borrow one (see [Note: the unsharded buffer's memory])."""
         if self.sharded_state != ShardedState.SHARDED:
             return
-        self._begin_unshard(phase, time.monotonic_ns())
+        slot = None
+        if pooled and self.may_borrow(phase):
+            slot = self.pool.take(self.unsharded_nbytes)
+        self._begin_unshard(phase, time.monotonic_ns(), slot, 0)
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
         self._unshard_future = collectives.all_gather_unit(self.transport, shard, self.unsharded)
 
-    def _begin_unshard(self, phase: str, issued_ns: int) -> None:
+    @property
+    def unsharded_nbytes(self) -> int:
+        return self.padded_numel * self.unsharded.element_size()
+
+    def may_borrow(self, phase: str) -> bool:
+        """Whether an unshard in ``phase`` may take pool memory: the unit
+        reshards at the end of that phase. See [Note: the unsharded buffer's memory]."""
+        if self.pool is None:
+            return False
+        if phase.startswith("forward"):
+            return self.reshard_after_forward and not self.is_root
+        return phase.startswith("backward") and self.reshard_after_backward
+
+    def _begin_unshard(self, phase: str, issued_ns: int, slot: "PoolSlot | None", offset: int) -> None:
         self._check_transport("unshard")
-        self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
+        if slot is not None:
+            slot.place(self, offset)
+        else:
+            self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
         self._unshard_issue = (issued_ns, phase)
         self.sharded_state = ShardedState.UNSHARDING
+
+    def _leave_pool(self) -> None:
+        """Moves the unsharded buffer out of its pool slot into memory of its
+        own (same storage object, same bytes): the unit stays unsharded past
+        the phase it borrowed the slot for."""
+        slot = self._slot
+        if slot is None:
+            return
+        values = self.unsharded.untyped_storage().clone()
+        slot.give_back(self)
+        storage = self.unsharded.untyped_storage()
+        storage.resize_(self.unsharded_nbytes)
+        storage.copy_(values)  # a storage copy: the version counter is untouched
 
     def batches_with(self, other: "FSDPParamGroup") -> bool:
         """Whether this unit's collectives can share one with ``other``'s."""
@@ -272,7 +344,7 @@ class FSDPParamGroup:
     def wait_for_unshard(self, phase: str = "explicit") -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
         if self.sharded_state == ShardedState.SHARDED:
-            self.unshard(phase)
+            self.unshard(phase, pooled=phase != "explicit")
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()
             if self._unsharded_regs is None:
@@ -290,7 +362,10 @@ class FSDPParamGroup:
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()  # the transport is still writing the buffer
         _register(self._sharded_regs)
-        self.unsharded.untyped_storage().resize_(0)
+        if self._slot is not None:
+            self._slot.give_back(self)
+        else:
+            _C.point_storage_at_nothing(self.unsharded)
         self.sharded_state = ShardedState.SHARDED
         self.gathered_ahead = False
 
@@ -303,6 +378,8 @@ class FSDPParamGroup:
     def post_forward(self, reshard: bool) -> None:
         if reshard:
             self.reshard()
+        else:
+            self._leave_pool()  # see [Note: the unsharded buffer's memory]
         self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> bool:
@@ -382,6 +459,8 @@ class FSDPParamGroup:
     def _reshard_after_backward(self) -> None:
         if self.reshard_after_backward:
             self.reshard()
+        else:
+            self._leave_pool()
 
     def _grads_to_reduce(self) -> list:
         """Per parameter, the gradient to reduce, in reduce_dtype and
@@ -402,11 +481,23 @@ class FSDPParamGroup:
             grads.append(grad)
         return grads
 
+    # [Note: resharding after backward]
+    # As torch's FSDP2: post_backward reshards a unit only when
+    # reshard_after_backward (set_reshard_after_backward), and
+    # finalize_backward does not reshard what backward left unsharded, so
+    # under False the unit's parameters stay unsharded into the next
+    # forward, which then gathers nothing for it (the memory traded for the
+    # communication in gradient accumulation). They are the values gathered
+    # before the optimizer stepped, in torch too: a user steps the optimizer
+    # after a backward with True, or calls ``reshard()``. An all-gather still
+    # in flight at the end of backward (a prefetch whose backward did not
+    # come) is waited and resharded under either setting, as torch drops it.
     def finalize_backward(self) -> None:
         """Waits for the reduce-scatter and hands each shard its ``.grad`` (a
         view of the reduced shard; added to a ``.grad`` the user kept). A
         unit of a GradBatch was finalized by the batch already
-        (``GradBatch.finalize``): here it only reshards."""
+        (``GradBatch.finalize``): here it only reshards, unless
+        reshard_after_backward is off (see [Note: resharding after backward])."""
         reduce, self._reduce = self._reduce, None
         self.grad_batch = None
         if reduce is not None:
@@ -415,7 +506,11 @@ class FSDPParamGroup:
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self._timings += (kind, "backward", self._reduce_issued, needed, completed)
             self._hand_out_grads(reduce.output)
-        self.reshard()
+        # See [Note: resharding after backward].
+        if self.reshard_after_backward or self.sharded_state != ShardedState.UNSHARDED:
+            self.reshard()
+        else:
+            self._leave_pool()
         self.training_state = TrainingState.IDLE
 
     def has_pending_grads(self) -> bool:
@@ -514,17 +609,119 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
     groups = [g for g in groups if g.sharded_state == ShardedState.SHARDED]
     if len(groups) <= 1:
         for g in groups:
-            g.unshard(phase)
+            g.unshard(phase, pooled=True)
         return
+    # The members that may borrow share one slot, end to end (each aligned):
+    # see [Note: the unsharded buffer's memory].
+    offsets: dict[int, int] = {}
+    nbytes = 0
+    for g in groups:
+        if g.may_borrow(phase):
+            offsets[id(g)] = nbytes
+            nbytes += -(-g.unsharded_nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+    slot = groups[0].pool.take(nbytes) if offsets else None
     issued = time.monotonic_ns()
     for g in groups:
-        g._begin_unshard(phase, issued)
+        offset = offsets.get(id(g))
+        g._begin_unshard(phase, issued, slot if offset is not None else None, offset or 0)
         if g.rank_views is None:
             g.rank_views = list(g.unsharded.split(g.shard_numel))
     future = collectives.all_gather_units(groups[0].transport, [g.shard for g in groups], [g.unsharded for g in groups],
                                           [g.rank_views for g in groups], groups[0].compute_dtype)
     for g in groups:
         g._unshard_future = future
+
+
+# The unshard pool's slots: prefetch depth + 1 (the batch computing and the
+# one gathered ahead). See [Note: the unsharded buffer's memory].
+POOL_SLOTS = 2
+# Where in a slot each unit of a batch starts: a multiple of this many bytes
+# (a cache line, and any dtype's element size).
+_SLOT_ALIGN = 64
+
+
+class PoolSlot:
+    """One slot of an ``UnshardPool``: memory that the unsharded buffers of
+    one batch of units point into while unsharded. Taken whole (``take``)
+    while no unit points into it; each unit is placed at its offset
+    (``place``) and gives its part back at reshard (``give_back``); free
+    again once the last has. See [Note: the unsharded buffer's memory]."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.memory: torch.Tensor | None = None  # uint8; grows, never shrinks; lives as long as the pool
+        # The units pointing into it now: id -> (unit, offset in bytes).
+        self.users: dict[int, tuple[FSDPParamGroup, int]] = {}
+        self.taken = False  # handed out by the pool, not yet free again
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.memory is None else self.memory.numel()
+
+    def take(self, nbytes: int) -> None:
+        if self.taken or self.users:
+            raise RuntimeError(
+                f"pydist FSDP unshard pool: slot {self.index} handed out again while units "
+                f"{[pg.label for pg, _ in self.users.values()]} still point into it; their parameters would be "
+                "overwritten by another unit's. This is a bug in pydist: please report it"
+            )
+        if self.nbytes < nbytes:
+            self.memory = None  # no unit points into it: free the old memory first
+            self.memory = torch.empty(nbytes, dtype=torch.uint8)
+        self.taken = True
+
+    def place(self, pg: FSDPParamGroup, offset: int) -> None:
+        """Points ``pg``'s unsharded buffer at ``[offset, offset + its bytes)``."""
+        end = offset + pg.unsharded_nbytes
+        for other, other_offset in self.users.values():
+            if offset < other_offset + other.unsharded_nbytes and other_offset < end:
+                raise RuntimeError(
+                    f"pydist FSDP unshard pool: unit {pg.label!r} placed at bytes [{offset}, {end}) of slot "
+                    f"{self.index}, over unit {other.label!r} at {other_offset}; this is a bug in pydist"
+                )
+        _C.point_storage_into(pg.unsharded, self.memory, offset)
+        self.users[id(pg)] = (pg, offset)
+        pg._slot = self
+
+    def give_back(self, pg: FSDPParamGroup) -> None:
+        """``pg`` reshards: its storage holds nothing again; the slot is free
+        once no unit is left in it."""
+        _, offset = self.users.pop(id(pg))
+        expected = self.memory.data_ptr() + offset
+        actual = pg.unsharded.untyped_storage().data_ptr()
+        _C.point_storage_at_nothing(pg.unsharded)
+        pg._slot = None
+        if not self.users:
+            self.taken = False
+        if actual != expected:
+            raise RuntimeError(
+                f"pydist FSDP unit {pg.label!r}: its unsharded storage was re-pointed (at {actual:#x}, its place in "
+                f"unshard pool slot {self.index} is {expected:#x}) while unsharded; something outside pydist "
+                "resized or swapped the storage of an unsharded parameter"
+            )
+
+
+class UnshardPool:
+    """The memory a root's units unshard into: POOL_SLOTS ``PoolSlot``s.
+    See [Note: the unsharded buffer's memory]."""
+
+    def __init__(self, num_slots: int = POOL_SLOTS):
+        self.slots = [PoolSlot(i) for i in range(num_slots)]
+
+    def take(self, nbytes: int) -> PoolSlot | None:
+        """A free slot of at least ``nbytes`` (one that already is, else a
+        free one grown), or None when every slot is taken."""
+        free = [slot for slot in self.slots if not slot.taken]
+        if not free:
+            return None
+        slot = next((s for s in free if s.nbytes >= nbytes), free[0])
+        slot.take(nbytes)
+        return slot
+
+    @property
+    def nbytes(self) -> int:
+        """What the slots hold: bytes that persist between iterations."""
+        return sum(slot.nbytes for slot in self.slots)
 
 
 class GradBatch:

@@ -77,7 +77,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup, GradBatch, ShardedState, TrainingState, unshard_units
+from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ShardedState, TrainingState, UnshardPool,
+                                           unshard_units)
 
 __all__ = ["FSDPState", "state_of", "GatherPlan", "DEFAULT_BATCH_BYTES"]
 
@@ -165,9 +166,12 @@ class FSDPState:
         samples = [torch.empty(0, dtype=dt) for s in self.all_states if (pg := s.param_group) is not None
                    for dt in {pg.dtype, pg.compute_dtype, pg.reduce_dtype}]
         transport = collectives.open_transport(self.group, samples, self.shm)
+        pool = UnshardPool()  # see [Note: the unsharded buffer's memory]
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.transport = transport
+                state.param_group.pool = pool
+                state.param_group.is_root = state is self
         self.transport = transport
 
     def refuse_batch_bytes_off_root(self) -> None:

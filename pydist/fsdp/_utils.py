@@ -83,10 +83,11 @@ class PersistentBytes(NamedTuple):
     params: int  # the units' shard buffers (padding included) and unmanaged parameters
     grads: int  # the storages the parameters' .grad live in
     optimizer: int  # the optimizer's state tensors (0 without one)
+    pools: int = 0  # the root's unshard pool (see [Note: the unsharded buffer's memory])
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.pools
 
 
 class IterationRecord(NamedTuple):
@@ -114,8 +115,9 @@ def last_iteration_record(module: nn.Module) -> IterationRecord:
 def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PersistentBytes:
     """What ``module`` (and ``optimizer``) keep on this rank between
     iterations: the sum of the distinct storages behind its parameters,
-    their gradients and the optimizer's state. The unsharded buffers hold
-    no memory then (see [Note: the unsharded buffer's memory])."""
+    their gradients and the optimizer's state, and the unshard pool of the
+    units' root. The unsharded buffers hold no memory of their own then
+    (see [Note: the unsharded buffer's memory])."""
     seen: set[int] = set()
 
     def storage_bytes(tensors) -> int:
@@ -133,4 +135,6 @@ def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None 
     if optimizer is not None:
         for state in optimizer.state.values():
             opt_state.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return PersistentBytes(storage_bytes(params), storage_bytes(p.grad for p in params), storage_bytes(opt_state))
+    pools = {id(pg.pool): pg.pool for pg in _units(module) if pg.pool is not None}
+    return PersistentBytes(storage_bytes(params), storage_bytes(p.grad for p in params), storage_bytes(opt_state),
+                           sum(pool.nbytes for pool in pools.values()))

@@ -178,6 +178,9 @@ def _unused_and_memory_rank(rank, world_size, _unused):
     shard_bytes = sum(-(-u.total_numel // world_size) * 4 for u in units)
     local_numel = sum(p.numel() for p in big.parameters())
     adam_bytes = 2 * 4 * local_numel + 4 * sum(1 for _ in big.parameters())  # exp_avg, exp_avg_sq, step
+    pool = units[0].pool
+    pool_bytes = sum(slot.memory.untyped_storage().nbytes() for slot in pool.slots if slot.memory is not None)
+    largest_batch = sum(-(-u.padded_numel * 4 // 64) * 64 for u in units)  # this small model gathers in one batch
     # --- per-unit records of an iteration of a nested model on shared memory
     import torch.nn.functional as F
 
@@ -208,7 +211,8 @@ def _unused_and_memory_rank(rank, world_size, _unused):
         "records": records,
         "unused_match": unused,
         "persistent": tuple(measured),
-        "expected": (shard_bytes, shard_bytes, adam_bytes),
+        "expected": (shard_bytes, shard_bytes, adam_bytes, pool_bytes),
+        "pool_bound": 2 * largest_batch,
         "unsharded_bytes": unsharded_bytes,
         "psi": psi,
     }
@@ -219,9 +223,11 @@ def test_unused_on_some_ranks_and_persistent_bytes():
     world_size = 2
     for rank, out in enumerate(run_ranks(_unused_and_memory_rank, world_size, args=(None,), timeout=60)):
         assert all(out["unused_match"].values()), f"rank {rank}: {out['unused_match']}"
-        assert out["persistent"] == out["expected"], f"rank {rank}: (params, grads, optimizer) {out['persistent']}"
+        assert out["persistent"] == out["expected"], f"rank {rank}: (params, grads, optimizer, pools) {out['persistent']}"
         assert out["unsharded_bytes"] == 0
-        assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
+        assert 0 < out["persistent"][3] <= out["pool_bound"], f"rank {rank}: pool bytes {out['persistent'][3]}"
+        # The shards, gradients and Adam's state: 16 Psi / N; the pool, two batches of unsharded parameters, on top.
+        assert sum(out["persistent"][:3]) <= 1.01 * 16 * out["psi"] / world_size
         for batch_bytes, record in out["records"].items():
             _check_records(record, batch_bytes)
         assert out["shapes"][0] == (24, 24) and len(out["shapes"][1]) == 1, out["shapes"]
