@@ -87,6 +87,11 @@ __all__ = ["FSDPState", "state_of", "GatherPlan", "DEFAULT_BATCH_BYTES"]
 # holds half of it (see kShmPieceBytes in csrc/transport/shm_transport.h).
 DEFAULT_BATCH_BYTES = 1 << 20
 
+# The states the hooks' fast paths test by identity.
+_IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
+_PRE_BACKWARD, _POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
+_SHARDED, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDED
+
 
 def state_of(module: nn.Module) -> "FSDPState | None":
     return module.__dict__.get("_pydist_fsdp_state")
@@ -110,6 +115,9 @@ class FSDPState:
         # (backward: the unit before this one in forward order; forward: none).
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None
+        # Whether the hooks may take their fast path: see [Note: the hooks'
+        # fast path]. Set by the root at each of its pre-forwards.
+        self.plain = False
         # Root only: the states under it, in module order; the units in the
         # order their forward ran this iteration; whether the final callback
         # is queued for this backward.
@@ -189,10 +197,14 @@ class FSDPState:
         self.final_callback_queued = False
         self.backward_end_ns = -1
         for state in self.all_states:
-            if state.param_group is not None:
-                state.param_group.clear_records()
-                state.param_group.sync_requires_grad()
-                state.param_group.had_grad = None  # a backward that failed before its final callback
+            pg = state.param_group
+            if pg is not None:
+                pg.clear_records()
+                pg.sync_requires_grad()
+                pg.had_grad = None  # a backward that failed before its final callback
+            mp = state.mp_policy
+            state.plain = (state is not self and pg is not None and not state.forward_prefetch
+                           and (mp is None or (mp.param_dtype is None and mp.output_dtype is None)))
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
@@ -244,7 +256,39 @@ class FSDPState:
 
     # --- hooks ----------------------------------------------------------------
 
+    # [Note: the hooks' fast path]
+    # A model of many small units (400 x Linear(64)+LayerNorm) runs these
+    # hooks 400 times per forward and backward, so their Python is a real
+    # part of its step. Most of what the general path checks cannot apply
+    # to most units: lazy init and the root's pre-forward (the root only),
+    # input and output casts (a MixedPrecisionPolicy with a param_dtype or
+    # output_dtype), set_modules_to_forward_prefetch targets. The root
+    # decides these once per forward for every state (``plain``); a plain
+    # unit's pre-forward, in the common case (IDLE, grad enabled, its first
+    # run this iteration), and its post-forward after such a pre-forward,
+    # do exactly what the general path does for it, in the same order,
+    # without the rest. Anything else (a recompute under activation
+    # checkpointing: PRE_BACKWARD; a second run, which the general path
+    # refuses; no_grad) takes the general path. A plan's need() is called
+    # only where it has something to do: see GatherPlan.need.
+
     def _pre_forward(self, module, args, kwargs):
+        if self.plain:
+            root = self.root
+            pg = self.param_group
+            if pg.training_state is _IDLE and self.forward_iteration != root.iteration and torch.is_grad_enabled():
+                # See [Note: the hooks' fast path]: what the general path
+                # below does for a unit in this case, in the same order.
+                self.forward_iteration = root.iteration
+                plan = root.forward_plan
+                if plan is not None and (pg.sharded_state is _SHARDED or id(self) in plan.heads):
+                    plan.need(self)
+                pg.gathered_ahead = False
+                pg.training_state = _FORWARD
+                if pg.sharded_state is not _UNSHARDED:
+                    pg.wait_for_unshard("forward")
+                root.forward_order.append(self)
+                return self._join_or_register_post_backward(root, args, kwargs)
         if self.root is None:
             self._lazy_init()
         root = self.root
@@ -285,13 +329,7 @@ class FSDPState:
             if target.param_group is not None:
                 target.param_group.unshard("forward_prefetch")
         if torch.is_grad_enabled():
-            # See [Note: how a unit learns its backward is done].
-            if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
-                hook = root._last_hook
-                if not hook.fired:
-                    hook.join(pg)
-                    return args, kwargs
-            args, kwargs = self._register_post_backward(args, kwargs)
+            return self._join_or_register_post_backward(root, args, kwargs)
         return args, kwargs
 
     def _is_recompute(self) -> bool:
@@ -307,22 +345,35 @@ class FSDPState:
             return True
         return self.forward_iteration == self.root.iteration and torch._C._current_graph_task_id() != -1
 
+    def _join_or_register_post_backward(self, root: FSDPState, args, kwargs):
+        """See [Note: how a unit learns its backward is done]."""
+        if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
+            hook = root._last_hook
+            if not hook.fired:
+                hook.join(self.param_group)
+                return args, kwargs
+        return self._register_post_backward(args, kwargs)
+
     def _post_forward(self, module, args, output):
         pg = self.param_group
-        if self._recomputing:
-            self._recomputing = False
-            return output  # see _pre_forward
-        if pg is not None:
-            # The root keeps its parameters for backward, unless there is none.
-            reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
-            pg.post_forward(reshard)
-        if self.is_root:
-            self._last_hooked = self._last_hook = None
-            for state in self.all_states:  # gathered ahead for a forward that did not come
-                if state.param_group is not None and state.param_group.gathered_ahead:
-                    state.param_group.reshard()
-        if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+        if self.plain and pg.training_state is _FORWARD:
+            # See [Note: the hooks' fast path]: a unit, no casts.
+            pg.post_forward(pg.reshard_after_forward)
+        else:
+            if self._recomputing:
+                self._recomputing = False
+                return output  # see _pre_forward
+            if pg is not None:
+                # The root keeps its parameters for backward, unless there is none.
+                reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
+                pg.post_forward(reshard)
+            if self.is_root:
+                self._last_hooked = self._last_hook = None
+                for state in self.all_states:  # gathered ahead for a forward that did not come
+                    if state.param_group is not None and state.param_group.gathered_ahead:
+                        state.param_group.reshard()
+            if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
+                output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
             if isinstance(output, torch.Tensor):
                 if output.requires_grad:
@@ -359,12 +410,13 @@ class FSDPState:
         if not root.final_callback_queued:
             root._begin_backward()
         pg = self.param_group
-        if pg is None or pg.training_state == TrainingState.PRE_BACKWARD:
+        if pg is None or pg.training_state is _PRE_BACKWARD:
             return grad
-        if pg.training_state == TrainingState.POST_BACKWARD:
+        if pg.training_state is _POST_BACKWARD:
             pg.pre_backward()  # raises: backward reached the unit again after its gradients were reduced
-        if root.backward_plan is not None:
-            root.backward_plan.need(self)
+        plan = root.backward_plan
+        if plan is not None and (pg.sharded_state is _SHARDED or id(self) in plan.heads):
+            plan.need(self)  # (nothing to do for a unit gathered with its batch that does not head one)
         pg.gathered_ahead = False
         if pg.pre_backward() and self.backward_prefetch is not None:
             for target in self.backward_prefetch:
@@ -442,7 +494,8 @@ class GatherPlan:
 
     def need(self, state: FSDPState) -> None:
         """``state``'s unit is about to compute: gathers its batch if it has
-        no parameters, and the next batch when it starts one."""
+        no parameters, and the next batch when it starts one (so nothing to
+        do unless the unit is SHARDED or in ``heads``)."""
         i = self.position.get(id(state))
         if i is None:
             return  # not in the plan: the unit gathers alone
@@ -537,9 +590,12 @@ class _OutputHook:
         root = self.state.root
         if not root.final_callback_queued:
             root._begin_backward()  # the reduce plan must exist before a post-backward packs
-        if self.post_unit is not None:
-            for pg in (self.post_unit, *(self.more_post_units or ())):
-                if pg.training_state == TrainingState.PRE_BACKWARD:  # its backward ran: see the note
+        pg = self.post_unit
+        if pg is not None:
+            if pg.training_state is _PRE_BACKWARD:  # its backward ran: see the note
+                pg.post_backward()
+            for pg in self.more_post_units or ():
+                if pg.training_state is _PRE_BACKWARD:
                     pg.post_backward()
         return self.state._pre_backward(grad)
 

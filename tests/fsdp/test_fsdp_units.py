@@ -341,3 +341,44 @@ def test_unit_gathered_ahead_and_skipped(batch_bytes):
     for rank, out in enumerate(run_ranks(_skipped_unit_rank, 2, args=(batch_bytes,), timeout=60)):
         assert out["after_forward"] == [(True, 0, 1), (True, 0, 1)], f"rank {rank}: {out['after_forward']}"
         assert all(out["match"].values()), f"rank {rank}: {out['match']}"
+
+
+def _fast_path_rank(rank, world_size):
+    """Units with an output cast or forward-prefetch targets, and the root,
+    take the hooks' general path; the others the fast path (see [Note: the
+    hooks' fast path]); training matches a plain model either way, with a
+    no_grad forward and a skipped unit between."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from pydist.fsdp import full_state_dict
+
+    torch.manual_seed(0)
+    plain = Skipping()
+    model = Skipping()
+    model.load_state_dict(plain.state_dict())
+    for i, layer in enumerate(model.layers):
+        fully_shard(layer, shm=True, mp_policy=MixedPrecisionPolicy(output_dtype=torch.float32) if i == 1 else None)
+    fully_shard(model, shm=True)
+    model.layers[2].set_modules_to_forward_prefetch([model.layers[3]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    for skip in (None, 0, None):
+        x = torch.randint(-2, 3, (4, 8), generator=g).float()
+        with torch.no_grad():
+            model(x)
+        model(x, skip).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        plain(x, skip).sum().backward()
+        step_on_averaged_grads(plain, plain_opt, world_size)
+    got = full_state_dict(model)
+    return {"plain": [layer._pydist_fsdp_state.plain for layer in model.layers] + [model._pydist_fsdp_state.plain],
+            "match": {n: torch.equal(p.detach(), got[n]) for n, p in plain.named_parameters()}}
+
+
+@pytest.mark.timeout(90)
+def test_hooks_fast_path_only_for_plain_units():
+    for rank, out in enumerate(run_ranks(_fast_path_rank, 2, timeout=60)):
+        assert out["plain"] == [True, False, False, True, False], f"rank {rank}: {out['plain']}"
+        assert all(out["match"].values()), f"rank {rank}: {out['match']}"
