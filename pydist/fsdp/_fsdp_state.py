@@ -9,8 +9,9 @@ does once per iteration.
                          collective) + wait; when it starts a batch, start the
                          next batch's all-gather; record the unit in the forward
                          order; start the all-gathers of set_modules_to_forward_prefetch;
-                         wrap the inputs that need grad so the unit learns when
-                         its backward is done
+                         join the previous unit's output hook, or wrap the inputs
+                         that need grad, so the unit learns when its backward is
+                         done (see [Note: how a unit learns its backward is done])
     unit post-forward    reshard (reshard_after_forward; never the root, whose
                          parameters are needed again at once); hook the outputs;
                          the root reshards what was gathered ahead and not used
@@ -26,7 +27,9 @@ does once per iteration.
                          last unit is packed); reshard
     final callback       post-backward for the units autograd never told (the
                          root, a first unit whose inputs need no grad), in
-                         reverse forward order; launch what batches remain; then
+                         reverse forward order; launch what batches remain; sum
+                         over the ranks which parameters had a gradient ([Note:
+                         parameters without a gradient]); then
                          each batch waits for its reduce-scatter once and hands
                          its units' shards their .grad, and every unit reduced
                          alone does the same, so the optimizer sees finished

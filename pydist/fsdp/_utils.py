@@ -97,7 +97,18 @@ class IterationRecord(NamedTuple):
     backward_end_ns: int  # autograd finished (the root's final callback began); -1 without backward
 
     def exposed_ns(self) -> int:
-        return sum(r.exposed_ns for r in self.collectives)
+        """How long the compute thread waited for collectives: the union of
+        the records' [needed, completed] spans. The members of one batched
+        collective each record its one wait, so a sum would count it once
+        per member."""
+        spans = sorted((r.needed_ns, r.completed_ns) for r in self.collectives if r.completed_ns > r.needed_ns)
+        total, reached = 0, None
+        for start, end in spans:
+            if reached is not None and end <= reached:
+                continue
+            total += end - (start if reached is None else max(start, reached))
+            reached = end
+        return total
 
 
 def last_iteration_record(module: nn.Module) -> IterationRecord:

@@ -382,3 +382,18 @@ def test_hooks_fast_path_only_for_plain_units():
     for rank, out in enumerate(run_ranks(_fast_path_rank, 2, timeout=60)):
         assert out["plain"] == [True, False, False, True, False], f"rank {rank}: {out['plain']}"
         assert all(out["match"].values()), f"rank {rank}: {out['match']}"
+
+
+def test_exposed_time_counts_a_batched_wait_once():
+    """The members of one batched collective each record its one wait: the
+    iteration's exposed time is the union of the waits, not their sum."""
+    from pydist.fsdp._fsdp_param_group import CollectiveRecord
+    from pydist.fsdp._utils import IterationRecord
+
+    batch = [CollectiveRecord(f"blocks.{i}", "reduce_scatter", "backward", 0, 100, 160) for i in range(3)]
+    alone = CollectiveRecord("out", "all_gather", "forward", 0, 10, 30)
+    overlapping = CollectiveRecord("inp", "all_gather", "forward", 0, 150, 190)  # ends 30 ns after the batch
+    unstamped = CollectiveRecord("root", "all_gather", "forward", 0, 500, -1)
+    record = IterationRecord(batch + [alone, overlapping, unstamped], backward_end_ns=200)
+    assert [r.exposed_ns for r in batch] == [60, 60, 60]
+    assert record.exposed_ns() == 20 + 60 + 30
