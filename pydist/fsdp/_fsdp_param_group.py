@@ -28,13 +28,18 @@ the saved views (the version counters are left alone: see
 The memory comes from the root's pool (``UnshardPool``): POOL_SLOTS = 2
 slots, prefetch depth + 1 (the batch being computed and the one the root's
 plan gathers ahead; see [Note: gather and reduce plans] in _fsdp_state.py).
-A slot is one allocation that only grows (to the largest batch it held), and
-a batch of units gathered as one collective shares one slot, each unit's
-storage pointing at its offset without owning it
-(``_C.point_storage_into``). So once the slots have grown a step allocates
-nothing for the unsharded buffers, where giving every unit its own memory at
-each unshard (``resize_``) cost a malloc and a free per unit, and for a
-large unit fresh zeroed pages from the kernel every time. (A batched gather
+A slot is one allocation that grows within an iteration (to the largest
+batch it held), and a batch of units gathered as one collective shares one
+slot, each unit's storage pointing at its offset without owning it
+(``_C.point_storage_into``). So an iteration allocates the unsharded
+buffers' memory once per slot, where giving every unit its own memory at
+each unshard (``resize_``) cost a malloc and a free per unit and phase, and
+for a large unit fresh zeroed pages from the kernel every time. When the
+iteration's unsharding is over (the root's final callback, or a root forward
+without grad) the root frees the slots (``UnshardPool.release``): between
+iterations the pool holds nothing, so a rank's persistent bytes stay the
+shards, gradients and optimizer state (16 Psi / N for fp32 Adam), and
+unsharded memory is only ever what this iteration needs. (A batched gather
 still stages through a rank-major buffer of its own, freed at its wait: see
 ``UnitsGather``.)
 
@@ -56,9 +61,10 @@ around its children holds its slot throughout). A borrowing unit that turns
 out not to reshard when expected (its post-forward or post-backward does not
 reshard it: the settings changed in between) moves its
 bytes to memory of its own first (``_leave_pool``), so no slot outlives its
-phase. The pool is CPU memory, as pydist shards CPU parameters only. Its
-bytes persist between iterations and are counted as such
-(``pydist.fsdp.persistent_bytes(...).pools``).
+phase. The pool is CPU memory, as pydist shards CPU parameters only. What
+it holds is counted in ``pydist.fsdp.persistent_bytes(...).pools``: 0
+between iterations, unless a slot is still taken then (a unit unsharded
+by hand, say).
 
 [Note: mixed precision]
 With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the
@@ -649,7 +655,7 @@ class PoolSlot:
 
     def __init__(self, index: int):
         self.index = index
-        self.memory: torch.Tensor | None = None  # uint8; grows, never shrinks; lives as long as the pool
+        self.memory: torch.Tensor | None = None  # uint8; grows within an iteration; freed by UnshardPool.release
         # The units pointing into it now: id -> (unit, offset in bytes).
         self.users: dict[int, tuple[FSDPParamGroup, int]] = {}
         self.taken = False  # handed out by the pool, not yet free again
@@ -718,9 +724,17 @@ class UnshardPool:
         slot.take(nbytes)
         return slot
 
+    def release(self) -> None:
+        """Frees the memory of every slot no unit points into: the root calls
+        it when an iteration's unsharding is over (the end of backward; a
+        forward without grad), so the pool holds nothing between iterations."""
+        for slot in self.slots:
+            if not slot.taken:
+                slot.memory = None
+
     @property
     def nbytes(self) -> int:
-        """What the slots hold: bytes that persist between iterations."""
+        """What the slots hold now."""
         return sum(slot.nbytes for slot in self.slots)
 
 

@@ -131,6 +131,7 @@ class FSDPState:
         # enabled (a second run in the same one is refused).
         self.forward_iteration = -1
         self._recomputing = False  # this forward is a recompute in backward: see _is_recompute
+        self.pool: UnshardPool | None = None  # root only: see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
         # Root only, during its forward: the tensor a unit's post-forward hooked
@@ -177,7 +178,7 @@ class FSDPState:
         samples = [torch.empty(0, dtype=dt) for s in self.all_states if (pg := s.param_group) is not None
                    for dt in {pg.dtype, pg.compute_dtype, pg.reduce_dtype}]
         transport = collectives.open_transport(self.group, samples, self.shm)
-        pool = UnshardPool()  # see [Note: the unsharded buffer's memory]
+        pool = self.pool = UnshardPool()  # see [Note: the unsharded buffer's memory]
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.transport = transport
@@ -240,6 +241,7 @@ class FSDPState:
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.finalize_backward()
+        self.pool.release()  # see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
 
     def _agree_on_grads(self) -> None:
@@ -375,6 +377,8 @@ class FSDPState:
                 for state in self.all_states:  # gathered ahead for a forward that did not come
                     if state.param_group is not None and state.param_group.gathered_ahead:
                         state.param_group.reshard()
+                if not torch.is_grad_enabled():
+                    self.pool.release()  # no backward follows: see [Note: the unsharded buffer's memory]
             if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():

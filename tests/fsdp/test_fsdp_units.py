@@ -170,15 +170,20 @@ def _unused_and_memory_rank(rank, world_size, _unused):
         fully_shard(layer)
     fully_shard(big)
     opt = torch.optim.Adam(big.parameters(), lr=1e-3)
-    big(torch.randn(3, 64)).sum().backward()
-    opt.step()
+    pool_peak = []  # what the pool held when the root released it, each step
+    for _ in range(2):
+        big(torch.randn(3, 64)).sum().backward()
+        opt.step()
+        if not pool_peak:  # the first forward opened the pool
+            pool = big._pydist_fsdp_state.pool
+            release = pool.release
+            pool.release = lambda: (pool_peak.append(pool.nbytes), release())
     measured = persistent_bytes(big, opt)
     units = [layer._pydist_fsdp_state.param_group for layer in big]
     unsharded_bytes = sum(u.unsharded.untyped_storage().nbytes() for u in units)
     shard_bytes = sum(-(-u.total_numel // world_size) * 4 for u in units)
     local_numel = sum(p.numel() for p in big.parameters())
     adam_bytes = 2 * 4 * local_numel + 4 * sum(1 for _ in big.parameters())  # exp_avg, exp_avg_sq, step
-    pool = units[0].pool
     pool_bytes = sum(slot.memory.untyped_storage().nbytes() for slot in pool.slots if slot.memory is not None)
     largest_batch = sum(-(-u.padded_numel * 4 // 64) * 64 for u in units)  # this small model gathers in one batch
     # --- per-unit records of an iteration of a nested model on shared memory
@@ -213,6 +218,7 @@ def _unused_and_memory_rank(rank, world_size, _unused):
         "persistent": tuple(measured),
         "expected": (shard_bytes, shard_bytes, adam_bytes, pool_bytes),
         "pool_bound": 2 * largest_batch,
+        "pool_peak": max(pool_peak),
         "unsharded_bytes": unsharded_bytes,
         "psi": psi,
     }
@@ -225,9 +231,10 @@ def test_unused_on_some_ranks_and_persistent_bytes():
         assert all(out["unused_match"].values()), f"rank {rank}: {out['unused_match']}"
         assert out["persistent"] == out["expected"], f"rank {rank}: (params, grads, optimizer, pools) {out['persistent']}"
         assert out["unsharded_bytes"] == 0
-        assert 0 < out["persistent"][3] <= out["pool_bound"], f"rank {rank}: pool bytes {out['persistent'][3]}"
-        # The shards, gradients and Adam's state: 16 Psi / N; the pool, two batches of unsharded parameters, on top.
-        assert sum(out["persistent"][:3]) <= 1.01 * 16 * out["psi"] / world_size
+        assert out["persistent"][3] == 0, f"rank {rank}: the pool holds {out['persistent'][3]} bytes after a step"
+        assert 0 < out["pool_peak"] <= out["pool_bound"], f"rank {rank}: the pool held {out['pool_peak']} bytes"
+        # The shards, gradients and Adam's state: 16 Psi / N, the pool freed between iterations.
+        assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
         for batch_bytes, record in out["records"].items():
             _check_records(record, batch_bytes)
         assert out["shapes"][0] == (24, 24) and len(out["shapes"][1]) == 1, out["shapes"]

@@ -235,8 +235,8 @@ def test_pool_bounded_and_mixed_settings_bitwise_torch_fsdp2(mixed):
         assert got["owning_by_step"].get(1, 0) == 0, got["owning_by_step"]
         assert got["pooled"] > 0 and got["owning"] > 0, (got["pooled"], got["owning"])
         assert got["moved"] == 1, f"rank {rank}: blocks.3 left the pool {got['moved']} times (step 7: once)"
-        # The slots grew in the first steps, and no later step allocated them again.
-        assert got["slot_ptrs"][2] == got["slot_ptrs"][-1], got["slot_ptrs"]
+        # Between iterations the pool holds nothing (released at the end of backward).
+        assert all(ptrs == [0] * POOL_SLOTS for ptrs in got["slot_ptrs"]), got["slot_ptrs"]
 
 
 # --- the guards, directly ---------------------------------------------------------
