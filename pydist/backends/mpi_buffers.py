@@ -5,7 +5,9 @@
   handed to mpi4py through the buffer protocol. No copy. Built from the
   address (``MPI.buffer.fromaddress``), not by ``tensor.numpy()``, which marks
   the storage non-resizable for good: pydist's FSDP gives an unsharded
-  buffer's memory back between all-gathers with ``untyped_storage().resize_(0)``.
+  buffer's memory back between all-gathers and points it at other memory
+  (``resize_`` and ``_C.point_storage_into``; see [Note: the unsharded
+  buffer's memory]).
 * CPU float16 / bfloat16: MPI has no standard datatype that reduces them. Ops
   that only move bytes (broadcast, all-gather) send their bytes as-is; the
   reductions run on a float32 copy, converted back after (exact for values a
