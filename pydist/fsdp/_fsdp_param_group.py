@@ -659,6 +659,9 @@ class PoolSlot:
         # The units pointing into it now: id -> (unit, offset in bytes).
         self.users: dict[int, tuple[FSDPParamGroup, int]] = {}
         self.taken = False  # handed out by the pool, not yet free again
+        # Where the last unit placed since the take ends: a batch's units are
+        # placed end to end, in order, so a placement before it overlaps one.
+        self.placed_end = 0
 
     @property
     def nbytes(self) -> int:
@@ -675,17 +678,19 @@ class PoolSlot:
             self.memory = None  # no unit points into it: free the old memory first
             self.memory = torch.empty(nbytes, dtype=torch.uint8)
         self.taken = True
+        self.placed_end = 0
 
     def place(self, pg: FSDPParamGroup, offset: int) -> None:
         """Points ``pg``'s unsharded buffer at ``[offset, offset + its bytes)``."""
         end = offset + pg.unsharded_nbytes
-        for other, other_offset in self.users.values():
-            if offset < other_offset + other.unsharded_nbytes and other_offset < end:
-                raise RuntimeError(
-                    f"pydist FSDP unshard pool: unit {pg.label!r} placed at bytes [{offset}, {end}) of slot "
-                    f"{self.index}, over unit {other.label!r} at {other_offset}; this is a bug in pydist"
-                )
+        if not self.taken or offset < self.placed_end:
+            raise RuntimeError(
+                f"pydist FSDP unshard pool: unit {pg.label!r} placed at bytes [{offset}, {end}) of slot "
+                f"{self.index}, " + (f"before the end of the last unit placed ({self.placed_end})" if self.taken
+                                     else "which is not taken") + "; this is a bug in pydist"
+            )
         _C.point_storage_into(pg.unsharded, self.memory, offset)
+        self.placed_end = end
         self.users[id(pg)] = (pg, offset)
         pg._slot = self
 
