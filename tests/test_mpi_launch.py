@@ -220,10 +220,17 @@ def test_pydist_run_gives_torchruns_results_bitwise(tmp_path):
     done = mpiexec(["-m", "pydist.run", script, str(tmp_path / "mpi")], timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", script, str(tmp_path / "torchrun")],
-                          env=dict(env, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=150, cwd=REPO)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               f"--master_port={free_port()}", script, str(tmp_path / "torchrun")],
+                              env=dict(env, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=150, cwd=REPO)
+        # The reference run is stock torch alone (no pydist imported): a rank
+        # of it has been seen to abort in gloo's shutdown ("terminate called
+        # without an active exception", SIGABRT) once in many runs. That run
+        # alone is retried once; pydist's runs never are.
+        if done.returncode == 0 or "terminate called without an active exception" not in done.stderr:
+            break
     assert done.returncode == 0, done.stdout + done.stderr
     # srun's environment, as srun sets it for 2 tasks on one node (no Slurm here): no MPI involved
     (tmp_path / "slurm").mkdir()
