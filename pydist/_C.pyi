@@ -175,6 +175,19 @@ def pack_rank_major(
     world_size * shard_numel), times scale, into its column of the rank-major
     ``out``: element e at ``out[(e // shard_numel) * row + column + e % shard_numel]``."""
 
+def pack_param_grads(
+    params: Sequence[torch.Tensor],
+    numels: Sequence[int],
+    out: torch.Tensor,
+    world_size: int,
+    column: int,
+    shard_numel: int,
+    scale: float = 1.0,
+) -> list[bool]:
+    """``pack_rank_major`` of ``params``' ``.grad``s (each cast to ``out``'s
+    dtype and made contiguous where it is not; None: zeros), then clears
+    them. Returns, per parameter, whether it had a ``.grad``."""
+
 def accumulate_into_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
     """Each ``grads[i]`` becomes ``params[i].grad`` (viewed in its shape), or is added to the one it has."""
 
@@ -182,8 +195,9 @@ def point_storage_into(buffer: torch.Tensor, slot: torch.Tensor, offset_bytes: i
     """Points ``buffer``'s storage (holding no memory) at ``slot``'s bytes from
     ``offset_bytes`` on, without owning them; the caller keeps ``slot`` alive."""
 
-def point_storage_at_nothing(buffer: torch.Tensor) -> None:
-    """Leaves ``buffer``'s storage with no memory (frees it if it owned it)."""
+def point_storage_at_nothing(buffer: torch.Tensor) -> int:
+    """Leaves ``buffer``'s storage with no memory (frees it if it owned it);
+    returns the address it held (0: none)."""
 
 def streaming_isa() -> str:
     """Instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)."""

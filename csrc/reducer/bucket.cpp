@@ -155,6 +155,30 @@ void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const 
   });
 }
 
+std::vector<bool> pack_param_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& numels,
+                                   const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel,
+                                   double scale) {
+  std::vector<std::optional<at::Tensor>> grads;
+  grads.reserve(params.size());
+  std::vector<bool> had(params.size(), false);
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& grad = params[i].grad();
+      if (!grad.defined()) {
+        grads.emplace_back(std::nullopt);
+        continue;
+      }
+      had[i] = true;
+      const bool as_is = grad.scalar_type() == out.scalar_type() && grad.is_contiguous();
+      grads.emplace_back(as_is ? grad : grad.to(out.scalar_type()).contiguous());
+    }
+  }
+  pack_rank_major(grads, numels, out, world_size, column, shard_numel, scale);
+  for (const at::Tensor& param : params) param.mutable_grad() = at::Tensor();
+  return had;
+}
+
 void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(params.size() == grads.size(), "accumulate_into_grads: ", params.size(), " params but ", grads.size(),
               " grads");
@@ -195,10 +219,12 @@ void point_storage_into(const at::Tensor& buffer, const at::Tensor& slot, int64_
   storage->set_nbytes(static_cast<size_t>(nbytes));
 }
 
-void point_storage_at_nothing(const at::Tensor& buffer) {
+int64_t point_storage_at_nothing(const at::Tensor& buffer) {
   c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  const auto held = reinterpret_cast<int64_t>(storage->data());
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, buffer.device()));  // frees what it owned, if it owned it
   storage->set_nbytes(0);
+  return held;
 }
 
 // --- gradient placements --------------------------------------------------------

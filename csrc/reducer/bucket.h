@@ -107,6 +107,16 @@ void reset_for_iteration(Bucket& bucket);
 void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const std::vector<int64_t>& numels,
                      const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel, double scale);
 
+// pack_rank_major of the gradients `params` hold (their .grad; none: zeros),
+// each first made contiguous in out's dtype where it is not, then the
+// .grads are cleared (the input holds them now). Returns, per parameter,
+// whether it had a .grad. What a unit's post-backward does with its
+// unsharded parameters in one call, once per unit and backward: see [Note:
+// the per-gradient seam] in pydist/fsdp/_fsdp_param_group.py.
+std::vector<bool> pack_param_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& numels,
+                                   const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel,
+                                   double scale);
+
 // For each i, grads[i] becomes params[i]'s .grad, or is added to the .grad it
 // has (grad mode off). Requires grads[i] to match params[i] in shape, dtype
 // and device (the caller made it so; unchecked per element beyond that).
@@ -132,8 +142,9 @@ void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vec
 void point_storage_into(const at::Tensor& buffer, const at::Tensor& slot, int64_t offset_bytes);
 
 // Leaves `buffer`'s storage with no memory (a null pointer, 0 bytes), freeing
-// what it owned (a non-owning pointer into a slot frees nothing). Called by
-// pydist/fsdp's reshard.
-void point_storage_at_nothing(const at::Tensor& buffer);
+// what it owned (a non-owning pointer into a slot frees nothing); returns the
+// address it held (0: none), which the pool checks. Called by pydist/fsdp's
+// reshard.
+int64_t point_storage_at_nothing(const at::Tensor& buffer);
 
 }  // namespace pydist
