@@ -203,6 +203,8 @@ class FSDPParamGroup:
                 fp.init_unsharded_param(self.shard)
                 fp.sharded_param = fp.unsharded_param  # NO_SHARD: the module keeps full parameters
                 fp.sharded_param._pydist_fsdp_param = fp
+        # The unsharded buffer's bytes (what a pool slot lends it).
+        self.unsharded_nbytes = self.padded_numel * self.unsharded.element_size()
         # Where each parameter is registered, as (module._parameters, name,
         # the tensor to put there), flattened once: what reshard and
         # wait_for_unshard put in place (the unsharded list once the
@@ -211,6 +213,13 @@ class FSDPParamGroup:
                               for fp in self.fsdp_params for i in fp.module_infos]
         self._unsharded_regs: list | None = None
         _register(self._sharded_regs)
+        # The unsharded parameters, once they exist (NO_SHARD: now), as the
+        # post-backward packs their .grads; whether any FSDPParam holds an
+        # accumulated_grad (gradient sync off under mixed precision), which
+        # that packing does not read.
+        self._unsharded_params: list[nn.Parameter] | None = (
+            None if sharded else [fp.unsharded_param for fp in self.fsdp_params])
+        self._accumulating = False
         # The trainable parameters, and whether every parameter is one (then
         # the gradients are one run of the flat layout when all are present);
         # every parameter's numel, as the packing copy reads the layout.
@@ -300,10 +309,6 @@ class FSDPParamGroup:
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
         self._unshard_future = collectives.all_gather_unit(self.transport, shard, self.unsharded)
 
-    @property
-    def unsharded_nbytes(self) -> int:
-        return self.padded_numel * self.unsharded.element_size()
-
     def may_borrow(self, phase: str) -> bool:
         """Whether an unshard in ``phase`` may take pool memory: the unit
         reshards at the end of that phase. See [Note: the unsharded buffer's memory]."""
@@ -314,7 +319,8 @@ class FSDPParamGroup:
         return phase.startswith("backward") and self.reshard_after_backward
 
     def _begin_unshard(self, phase: str, issued_ns: int, slot: "PoolSlot | None", offset: int) -> None:
-        self._check_transport("unshard")
+        if self.transport is None:
+            self._check_transport("unshard")
         if slot is not None:
             slot.place(self, offset)
         else:
@@ -358,6 +364,7 @@ class FSDPParamGroup:
                     fp.init_unsharded_param(self.unsharded)
                 self._unsharded_regs = [(i.module._parameters, i.name, fp.unsharded_param)
                                         for fp in self.fsdp_params for i in fp.module_infos]
+                self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
             _register(self._unsharded_regs)
             self.sharded_state = ShardedState.UNSHARDED
 
@@ -439,15 +446,26 @@ class FSDPParamGroup:
         # (requires_grad_(False)) between micro-batches of gradient
         # accumulation still reduces what it accumulated, as torch's FSDP2.
         keep = not self.requires_gradient_sync
-        for fp in self.fsdp_params:
-            if keep or fp.accumulated_grad is not None:
-                fp.accumulate_grad(self.reduce_dtype, keep=keep)
+        batch, self.grad_batch = self.grad_batch, None
+        if (not keep and not self._accumulating and batch is not None and not batch.launched
+                and self._unsharded_params is not None):
+            # The common case, one C++ call: the .grads autograd left on the
+            # unsharded parameters are packed into the batch (planned after
+            # the root opened the transport) and cleared.
+            self._reduce_issued = time.monotonic_ns()
+            self.had_grad = batch.add_params(self)
+            self._reshard_after_backward()
+            return
+        if keep or self._accumulating:
+            for fp in self.fsdp_params:
+                if keep or fp.accumulated_grad is not None:
+                    fp.accumulate_grad(self.reduce_dtype, keep=keep)
+            self._accumulating = keep and any(fp.accumulated_grad is not None for fp in self.fsdp_params)
         if self.requires_gradient_sync:
             self._check_transport("post_backward")
             grads = self._grads_to_reduce()
             self.had_grad = [g is not None for g in grads]
             self._reduce_issued = time.monotonic_ns()
-            batch, self.grad_batch = self.grad_batch, None
             if batch is not None and not batch.launched:
                 batch.add(self, grads)
             elif self.sharded:
@@ -512,11 +530,12 @@ class FSDPParamGroup:
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self._timings += (kind, "backward", self._reduce_issued, needed, completed)
             self._hand_out_grads(reduce.output)
-        # See [Note: resharding after backward].
-        if self.reshard_after_backward or self.sharded_state != ShardedState.UNSHARDED:
-            self.reshard()
-        else:
-            self._leave_pool()
+        # See [Note: resharding after backward]. (Most units resharded in their post-backward.)
+        if self.sharded_state is not ShardedState.SHARDED:
+            if self.reshard_after_backward or self.sharded_state is not ShardedState.UNSHARDED:
+                self.reshard()
+            else:
+                self._leave_pool()
         self.training_state = TrainingState.IDLE
 
     def has_pending_grads(self) -> bool:
@@ -525,16 +544,22 @@ class FSDPParamGroup:
         return any(fp.grad_to_reduce() is not None for fp in self.fsdp_params)
 
     def sync_requires_grad(self) -> None:
-        """Takes up ``requires_grad`` switched on the parameters the optimizer
-        sees (``model.parameters()``) since the last forward: the unsharded
-        parameter autograd uses follows, and so does what the unit reduces."""
+        """Takes up ``requires_grad`` switched since the last forward on the
+        parameter the module held: the one the optimizer sees
+        (``model.parameters()``), or the unsharded one while the unit was left
+        unsharded (``set_reshard_after_backward(False)``, ``unshard()``). The
+        other follows, and so does what the unit reduces."""
         changed = False
         for fp in self.fsdp_params:
             wanted = fp.sharded_param.requires_grad
+            unsharded = fp.unsharded_param
+            if unsharded is not None and unsharded is not fp.sharded_param and unsharded.requires_grad != fp.requires_grad:
+                wanted = unsharded.requires_grad
             if wanted != fp.requires_grad:
                 fp.requires_grad = wanted
-                if fp.unsharded_param is not None and fp.unsharded_param is not fp.sharded_param:
-                    fp.unsharded_param.requires_grad_(wanted)
+                fp.sharded_param.requires_grad_(wanted)
+                if unsharded is not None:
+                    unsharded.requires_grad_(wanted)
                 changed = True
         if changed:
             self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
@@ -656,6 +681,7 @@ class PoolSlot:
     def __init__(self, index: int):
         self.index = index
         self.memory: torch.Tensor | None = None  # uint8; grows within an iteration; freed by UnshardPool.release
+        self.base = 0  # the memory's address
         # The units pointing into it now: id -> (unit, offset in bytes).
         self.users: dict[int, tuple[FSDPParamGroup, int]] = {}
         self.taken = False  # handed out by the pool, not yet free again
@@ -677,6 +703,7 @@ class PoolSlot:
         if self.nbytes < nbytes:
             self.memory = None  # no unit points into it: free the old memory first
             self.memory = torch.empty(nbytes, dtype=torch.uint8)
+            self.base = self.memory.data_ptr()
         self.taken = True
         self.placed_end = 0
 
@@ -698,9 +725,8 @@ class PoolSlot:
         """``pg`` reshards: its storage holds nothing again; the slot is free
         once no unit is left in it."""
         _, offset = self.users.pop(id(pg))
-        expected = self.memory.data_ptr() + offset
-        actual = pg.unsharded.untyped_storage().data_ptr()
-        _C.point_storage_at_nothing(pg.unsharded)
+        expected = self.base + offset
+        actual = _C.point_storage_at_nothing(pg.unsharded)
         pg._slot = None
         if not self.users:
             self.taken = False
@@ -736,6 +762,7 @@ class UnshardPool:
         for slot in self.slots:
             if not slot.taken:
                 slot.memory = None
+                slot.base = 0
 
     @property
     def nbytes(self) -> int:
@@ -776,10 +803,24 @@ class GradBatch:
         self.output: torch.Tensor | None = None
 
     def add(self, pg: FSDPParamGroup, grads: list) -> None:
+        _C.pack_rank_major(grads, pg._numels, self._input_for(pg), self.world_size, self.columns[id(pg)],
+                           pg.shard_numel, self.copy_scale)  # collectives.pack_unit_grads, its scale computed once
+        self._arrive(pg)
+
+    def add_params(self, pg: FSDPParamGroup) -> list[bool]:
+        """``add`` of the .grads on ``pg``'s unsharded parameters, which are
+        cleared; returns which parameters had one."""
+        had = _C.pack_param_grads(pg._unsharded_params, pg._numels, self._input_for(pg), self.world_size,
+                                  self.columns[id(pg)], pg.shard_numel, self.copy_scale)
+        self._arrive(pg)
+        return had
+
+    def _input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
         if self.input is None:
             self.input = torch.empty(self.world_size * self.row, dtype=pg.reduce_dtype)
-        _C.pack_rank_major(grads, pg._numels, self.input, self.world_size, self.columns[id(pg)], pg.shard_numel,
-                           self.copy_scale)  # collectives.pack_unit_grads, its scale computed once
+        return self.input
+
+    def _arrive(self, pg: FSDPParamGroup) -> None:
         self.arrived.append(pg)
         if len(self.arrived) == len(self.members):
             self.launch()

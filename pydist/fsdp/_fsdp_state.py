@@ -155,24 +155,27 @@ class FSDPState:
     # --- root -----------------------------------------------------------------
 
     def _lazy_init(self) -> None:
-        self.is_root = True
-        self.all_states = [s for m in self.module.modules() if (s := state_of(m)) is not None]
-        for state in self.all_states:
+        named = [(name, s) for name, m in self.module.named_modules() if (s := state_of(m)) is not None]
+        # Checked before any state changes, so that a refused first forward
+        # leaves the model as it was: the user fixes the cause and runs again.
+        for name, state in named:
             if state is not self and state.root is not None:
                 raise RuntimeError(
-                    f"pydist.fully_shard: {type(state.module).__name__} ran forward on its own before its root "
-                    f"{type(self.module).__name__}; run the root's forward first (FSDP2's rule too)"
+                    f"pydist.fully_shard: {name!r} ({type(state.module).__name__}) ran forward (or unshard()) on its "
+                    f"own before its root {type(self.module).__name__}; run the root's forward first (FSDP2's rule too)"
                 )
             if state.group is not self.group:
                 raise NotImplementedError(
                     "pydist.fully_shard: every unit under one root must shard over the same group (mesh)"
                 )
-            state.root = self
             if state is not self and state.batch_bytes != DEFAULT_BATCH_BYTES:
-                state.refuse_batch_bytes_off_root()
-        for name, m in self.module.named_modules():
-            if (s := state_of(m)) is not None and s.param_group is not None:
-                s.param_group.label = name  # records and errors name units by their place
+                state.refuse_batch_bytes_off_root(self, name)
+        self.is_root = True
+        self.all_states = [s for _, s in named]
+        for name, state in named:
+            state.root = self
+            if state.param_group is not None:
+                state.param_group.label = name  # records and errors name units by their place
         # One tensor of each dtype the units communicate in, so that a dtype
         # the shared-memory transport does not carry falls back to the group.
         samples = [torch.empty(0, dtype=dt) for s in self.all_states if (pg := s.param_group) is not None
@@ -185,12 +188,19 @@ class FSDPState:
                 state.param_group.pool = pool
                 state.param_group.is_root = state is self
         self.transport = transport
+        # What the optimizer steps on, and the requires_grad each unit has taken up.
+        self._sharded_params = [fp.sharded_param for s in self.all_states if s.param_group is not None
+                                for fp in s.param_group.fsdp_params]
+        self._requires_grad = [fp.requires_grad for s in self.all_states if s.param_group is not None
+                               for fp in s.param_group.fsdp_params]
 
-    def refuse_batch_bytes_off_root(self) -> None:
+    def refuse_batch_bytes_off_root(self, root: FSDPState, name: str) -> None:
+        """``name``: this module's path under ``root``'s module."""
         raise ValueError(
-            f"pydist.fully_shard: set_collective_batch_bytes on {type(self.module).__name__}, which is not a root "
-            f"(its root is {type(self.root.module).__name__}): the root plans every unit's collectives, so call it "
-            "on the root"
+            f"pydist.fully_shard: set_collective_batch_bytes was called on {name!r} "
+            f"({type(self.module).__name__}), which is not a root: its root is the "
+            f"{type(root.module).__name__} whose forward runs it, and the root plans every unit's collectives. "
+            f"Call it on the root, and set {name!r} back to the default ({DEFAULT_BATCH_BYTES}) or never call it there"
         )
 
     def _root_pre_forward(self) -> None:
@@ -200,15 +210,24 @@ class FSDPState:
         self.forward_order = []
         self.final_callback_queued = False
         self.backward_end_ns = -1
+        # requires_grad switched since the last forward: on model.parameters()
+        # (one pass over them here), or on the unsharded parameters of a unit
+        # left unsharded, which its module held. See sync_requires_grad.
+        changed = [p.requires_grad for p in self._sharded_params] != self._requires_grad
+        synced = False
         for state in self.all_states:
             pg = state.param_group
             if pg is not None:
+                if changed or (pg.sharded and pg.sharded_state is not _SHARDED):
+                    pg.sync_requires_grad()
+                    synced = True
                 pg.clear_records()
-                pg.sync_requires_grad()
                 pg.had_grad = None  # a backward that failed before its final callback
             mp = state.mp_policy
             state.plain = (state is not self and pg is not None and not state.forward_prefetch
                            and (mp is None or (mp.param_dtype is None and mp.output_dtype is None)))
+        if synced:
+            self._requires_grad = [p.requires_grad for p in self._sharded_params]
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
@@ -521,7 +540,7 @@ class GatherPlan:
         while k < len(self.states):
             pg = self.states[k].param_group
             if pg.sharded_state == ShardedState.SHARDED and pg.training_state != TrainingState.POST_BACKWARD:
-                size = pg.padded_numel * pg.unsharded.element_size()
+                size = pg.unsharded_nbytes
                 if members and (nbytes + size > self.batch_bytes or not members[0].batches_with(pg)):
                     break
                 if not members:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from pydist.fsdp._fsdp_param import ParamModuleInfo
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup
-from pydist.fsdp._fsdp_state import FSDPState, state_of
+from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES, FSDPState, state_of
 from pydist.fsdp._state_dict import register_state_dict_hooks
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
@@ -145,8 +145,12 @@ class FSDPModule:
         return [s.param_group for s in self._fsdp_states(recurse) if s.param_group is not None]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gathers this module's unit (not its children's). After the root's first forward."""
-        pg = state_of(self).param_group
+        """All-gathers this module's unit (not its children's). Before any
+        forward, this module becomes the root (as FSDP2's lazy init)."""
+        state = state_of(self)
+        if state.root is None:
+            state._lazy_init()
+        pg = state.param_group
         if pg is not None:
             pg.unshard()
         handle = UnshardHandle(pg)
@@ -188,8 +192,9 @@ class FSDPModule:
         if nbytes < 0:
             raise ValueError(f"set_collective_batch_bytes: nbytes must be >= 0, got {nbytes}")
         state = state_of(self)
-        if state.root is not None and state.root is not state:
-            state.refuse_batch_bytes_off_root()
+        if state.root is not None and state.root is not state and nbytes != DEFAULT_BATCH_BYTES:
+            root = state.root
+            state.refuse_batch_bytes_off_root(root, next(n for n, m in root.module.named_modules() if m is self))
         state.batch_bytes = int(nbytes)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:

@@ -47,6 +47,7 @@ def _message(fn) -> str:
 def _misuse_rank(rank, world_size):
     from pydist import fully_shard
     from pydist.fsdp import last_iteration_record
+    from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES
 
     out = {}
     x = torch.randn(3, 4)
@@ -79,6 +80,11 @@ def _misuse_rank(rank, world_size):
     model = _shard_blocks_then_root(_blocks())
     model[0].set_collective_batch_bytes(0)
     out["batch_bytes_before"] = _message(lambda: model(x))
+    # Refused before any state changed: put back, set on the root, the model trains.
+    model[0].set_collective_batch_bytes(DEFAULT_BATCH_BYTES)
+    model.set_collective_batch_bytes(0)
+    model(x).sum().backward()
+    out["batch_bytes_fixed"] = [pg.had_grad is None and pg.transport is not None for pg in model._param_groups(True)]
     model = _shard_blocks_then_root(_blocks())
     model(x)
     out["batch_bytes_after"] = _message(lambda: model[1].set_collective_batch_bytes(0))
@@ -99,4 +105,6 @@ def test_misuse_is_refused_and_records_are_local():
         assert "parameter 1.weight" in out["tied"] and "Linear (as weight)" in out["tied"], out["tied"]
         for when in ("before", "after"):
             message = out[f"batch_bytes_{when}"]
-            assert message.startswith("ValueError") and "Linear, which is not a root" in message, message
+            unit = "'0' (FSDPLinear)" if when == "before" else "'1' (FSDPLinear)"
+            assert message.startswith("ValueError") and f"{unit}, which is not a root" in message, message
+        assert out["batch_bytes_fixed"] and all(out["batch_bytes_fixed"]), out["batch_bytes_fixed"]

@@ -82,6 +82,10 @@ SCENARIOS = {
     # frozen after the first micro-batch: what it accumulated is still reduced and stepped on
     "frozen_between_micro_batches": [("freeze_after_first", [((), False), ((), True)]), ("unfreeze", [((), True)]),
                                      (None, [((), True)])],
+    # the same through the module while it is left unsharded between micro-batches
+    # (set_reshard_after_backward(sync)): the module holds the unsharded parameter then
+    "frozen_while_left_unsharded": [(None, [((), True)]), ("freeze_module_after_first", [((), False), ((), True)]),
+                                    ("unfreeze_module", [((), False), ((), True)]), (None, [((), True)])],
 }
 
 
@@ -100,12 +104,18 @@ def _run(rank, world_size, impl, scenario, mixed):
     for change, micro_batches in steps:
         if change in ("freeze", "unfreeze"):
             weight.requires_grad_(change == "unfreeze")
+        if change == "unfreeze_module":
+            model.blocks[0][0].weight.requires_grad_(True)
         for i, (skip, sync) in enumerate(micro_batches):
             model.skip = skip
             model.set_requires_gradient_sync(sync)
+            if scenario == "frozen_while_left_unsharded":
+                model.set_reshard_after_backward(sync)
             model(torch.randn(4, 8, generator=gen)).float().pow(2).sum().backward()
             if change == "freeze_after_first" and i == 0:
                 weight.requires_grad_(False)
+            if change == "freeze_module_after_first" and i == 0:
+                model.blocks[0][0].weight.requires_grad_(False)
         log.append(tuple(n for n, p in model.named_parameters() if p.grad is None))
         opt.step()
         opt.zero_grad()
@@ -122,7 +132,8 @@ def _both(rank, world_size, scenario, mixed):
                                             ("frozen_before_first_forward", False), ("frozen_after_a_step", False),
                                             ("unfrozen_after_a_step", False), ("unused_everywhere", False),
                                             ("unused_everywhere", True), ("frozen_between_micro_batches", False),
-                                            ("frozen_between_micro_batches", True)])
+                                            ("frozen_between_micro_batches", True),
+                                            ("frozen_while_left_unsharded", False)])
 def test_bitwise_torch_fsdp2(scenario, mixed):
     for rank, out in enumerate(run_ranks(_both, 2, args=(scenario, mixed), timeout=140)):
         (ref, ref_log), (got, got_log) = out["torch"], out["pydist"]
@@ -254,3 +265,19 @@ def test_parameter_used_on_some_ranks_steps_as_the_global_batch(front):
         for k, ref in model.state_dict().items():
             assert torch.equal(got[k], ref), f"rank {rank}: {k} differs from the global batch by " \
                                               f"{(got[k] - ref).abs().max().item()}"
+
+
+def _unshard_first(rank, world_size):
+    out = {}
+    for impl in ("torch", "pydist"):
+        model = _build(impl, world_size, mixed=False)
+        model.unshard()  # before any forward: the root initializes here, as FSDP2's lazy init
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        _train(model, opt, rank, steps=2)
+        out[impl] = _full(impl, model)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_unshard_before_the_first_forward_as_torch_fsdp2():
+    _assert_bitwise(run_ranks(_unshard_first, 2, timeout=80), "torch FSDP2")
