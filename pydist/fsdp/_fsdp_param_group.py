@@ -415,10 +415,14 @@ class FSDPParamGroup:
 
     # [Note: the per-gradient seam]
     # Packing happens per unit, from Python, once all of the unit's gradients
-    # exist: post_backward -> _grads_to_reduce -> pack_unit_grads, one C++
-    # call that writes the unit's gradients, 1/N folded in, straight into its
-    # column of its GradBatch's rank-major reduce-scatter input (or its own
-    # input when alone); the batch's last member launches the collective.
+    # exist, in one C++ call that writes them, 1/N folded in, straight into
+    # its column of its GradBatch's rank-major reduce-scatter input (or its
+    # own input when alone); the batch's last member launches the collective.
+    # In a batch with nothing accumulated across backwards (the common case)
+    # that call reads the .grads off the unsharded parameters and clears them
+    # (GradBatch.add_params -> _C.pack_param_grads); otherwise
+    # _grads_to_reduce gathers them (accumulated_grad under mixed precision)
+    # for pack_unit_grads.
     # Each gradient byte is copied once on its way in, and once out of the
     # transport into the reduced output. What a post-accumulate-grad hook per
     # parameter in C++ would add is the copy moved earlier, to when each
@@ -427,8 +431,7 @@ class FSDPParamGroup:
     # and it would have to keep the launch point the same on every rank when a
     # parameter gets its gradient on some ranks only (this one is: the unit's
     # post-backward comes from the graph's structure). It would replace
-    # exactly _grads_to_reduce and pack_unit_grads; the batching, finalize and
-    # the records stay.
+    # exactly the packing; the batching, finalize and the records stay.
     def post_backward(self) -> None:
         """Packs this unit's gradients into the reduce-scatter input (1/N folded
         in) and starts it; reshards. See [Note: the per-gradient seam].
