@@ -349,6 +349,15 @@ transport::Future ShmTransport::enqueue(Job job) {
   check_owner(transport::collective_name(job.kind));
   job.future = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
   auto future = job.future;
+  // The caller's handle holds the tensors too: see [Note: who lets go of a
+  // collective's tensors] in transport.h.
+  auto tensors = std::make_shared<std::vector<at::Tensor>>();
+  tensors->reserve(2 + job.shard_pieces.size() * (1 + job.output_pieces.size()));
+  for (const at::Tensor* t : {&job.input, &job.output}) {
+    if (t->defined()) tensors->push_back(*t);
+  }
+  tensors->insert(tensors->end(), job.shard_pieces.begin(), job.shard_pieces.end());
+  for (const auto& mine : job.output_pieces) tensors->insert(tensors->end(), mine.begin(), mine.end());
   {
     std::lock_guard<std::mutex> lock(queue_->mutex);
     TORCH_CHECK(!stopping_, "ShmTransport.", transport::collective_name(job.kind),
@@ -356,7 +365,7 @@ transport::Future ShmTransport::enqueue(Job job) {
     queue_->jobs.push_back(std::move(job));
   }
   queue_->wake.notify_one();
-  return transport::Future(std::move(future));
+  return transport::Future(std::move(future), {}, {}, std::move(tensors));
 }
 
 void ShmTransport::work_loop() {
@@ -391,9 +400,11 @@ void ShmTransport::work_loop() {
         }
       }
     }
-    // Let go of the tensor before waking the caller: dropping a reference to
-    // a tensor Python also holds may need the GIL, which the caller has
-    // released only while it waits.
+    // Let go of the tensors before waking the caller. The caller's handle
+    // holds them too, so this is only a count; should the caller have
+    // dropped the handle, it is the last reference to a tensor Python may
+    // also hold, which needs the GIL, and the caller releases it while it
+    // waits. See [Note: who lets go of a collective's tensors].
     job.input.reset();
     job.output.reset();
     job.shard_pieces.clear();

@@ -91,10 +91,9 @@ Future Transport::all_gather_many(std::vector<at::Tensor> inputs, std::vector<st
   at::Tensor joined = ops::flatten(inputs);
   at::Tensor gathered = at::empty({per_rank * n}, joined.options());
   Future inner = all_gather(joined, gathered);
-  // The copy out runs on the thread that completes the all-gather. It lets
-  // go of the outputs before the future completes: the caller may hold
-  // Python references to them, and dropping the last C++ one may need the
-  // GIL, which the caller has released only while it waits.
+  // The copy out runs on the thread that completes the all-gather. The
+  // tensors stay with the returned handle: see [Note: who lets go of a
+  // collective's tensors] in transport.h.
   struct Pending {
     at::Tensor joined, gathered;
     std::vector<std::vector<at::Tensor>> outputs;
@@ -103,25 +102,15 @@ Future Transport::all_gather_many(std::vector<at::Tensor> inputs, std::vector<st
   const bool stamp = stamp_completion();
   auto done = inner.ivalue()->then(
       [pending, per_rank, n, stamp](c10::ivalue::Future& finished) -> c10::IValue {
-        auto release = [&] { *pending = Pending{}; };
-        if (finished.hasError()) {
-          release();
-          std::rethrow_exception(finished.exception_ptr());
+        if (finished.hasError()) std::rethrow_exception(finished.exception_ptr());
+        for (int64_t q = 0; q < n; ++q) {
+          ops::unflatten_into(pending->gathered.narrow(0, q * per_rank, per_rank),
+                              pending->outputs[static_cast<size_t>(q)], 1.0);
         }
-        try {
-          for (int64_t q = 0; q < n; ++q) {
-            ops::unflatten_into(pending->gathered.narrow(0, q * per_rank, per_rank),
-                                pending->outputs[static_cast<size_t>(q)], 1.0);
-          }
-        } catch (...) {
-          release();
-          throw;
-        }
-        release();
         return stamp ? steady_now_ns() : int64_t{-1};
       },
       c10::IntType::get());
-  return Future(std::move(done), [inner] { inner.wait(); }, inner.inner());
+  return Future(std::move(done), [inner] { inner.wait(); }, inner.inner(), std::move(pending));
 }
 
 // --- wrappers ---------------------------------------------------------------

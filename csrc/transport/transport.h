@@ -73,10 +73,16 @@ class Future {
   // `bounded_wait`, if given, is a wait that gives up after the transport's
   // own timeout (a process group's Work::wait); wait() runs it first.
   // `inner`, if given, is the future of the work the transport wrapped (a
-  // comm hook's, holding its result tensor).
+  // comm hook's, holding its result tensor). `keep_alive`, if given, is
+  // what the transport's thread uses while it runs (the collective's
+  // tensors), held by this handle too: see [Note: who lets go of a
+  // collective's tensors].
   explicit Future(c10::intrusive_ptr<c10::ivalue::Future> done, std::function<void()> bounded_wait = {},
-                  c10::intrusive_ptr<c10::ivalue::Future> inner = {})
-      : done_(std::move(done)), bounded_wait_(std::move(bounded_wait)), inner_(std::move(inner)) {}
+                  c10::intrusive_ptr<c10::ivalue::Future> inner = {}, std::shared_ptr<const void> keep_alive = {})
+      : done_(std::move(done)),
+        bounded_wait_(std::move(bounded_wait)),
+        inner_(std::move(inner)),
+        keep_alive_(std::move(keep_alive)) {}
 
   bool defined() const { return static_cast<bool>(done_); }
   // Blocks until the collective is done; throws its error. Returns the
@@ -90,7 +96,20 @@ class Future {
   c10::intrusive_ptr<c10::ivalue::Future> done_;
   std::function<void()> bounded_wait_;
   c10::intrusive_ptr<c10::ivalue::Future> inner_;
+  std::shared_ptr<const void> keep_alive_;
 };
+
+// [Note: who lets go of a collective's tensors]
+// A tensor that Python also holds has its Python object kept alive by the
+// C++ references to it (torch's PyObject preservation): the C++ reference
+// that drops the count back to Python's alone decrefs that object, and so
+// takes the GIL. A transport thread that let go of a batch's tensors itself
+// would take the GIL once per tensor, while the caller runs Python (a
+// prefetched gather completes during the previous unit's compute), and each
+// time wait for the interpreter to hand it over. So a transport that keeps
+// the tensors on its own thread also puts them in the Future's keep_alive:
+// the handle the caller holds (in Python, with the GIL) keeps them until it
+// is dropped there, and the thread's own release is then only a count.
 
 class Transport {
  public:
