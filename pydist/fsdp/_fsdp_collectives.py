@@ -133,7 +133,7 @@ class UnitsGather:
     collectives]."""
 
     def __init__(self, future, preserve, inputs: list):
-        self.future = future  # pydist.transport.TransportFuture
+        self.future = future  # pydist.transport.TransportFuture; until the wait
         self.preserve = preserve  # restores the outputs' version counters at the wait
         self.inputs = inputs  # the shards sent (cast copies under mixed precision): alive until done
         self.completed: int | None = None
@@ -147,7 +147,8 @@ class UnitsGather:
             # that completed the gather) bumps them.
             self.preserve.__exit__(None, None, None)
             self.completed = completed
-            self.preserve = self.inputs = None
+            # the handle holds the batch's tensors too: let go of them here, with the GIL
+            self.future = self.preserve = self.inputs = None
         return self.completed
 
 
