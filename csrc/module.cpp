@@ -77,6 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "output_shard := sum over ranks of shard `rank` of input (world_size contiguous shards) * scale")
       .def("all_gather", &tp::Transport::all_gather, py::arg("shard"), py::arg("output"), nogil,
            "output := every rank's shard, in rank order")
+      .def("all_gather_many", &tp::Transport::all_gather_many, py::arg("inputs"), py::arg("outputs"), nogil,
+           "outputs[q][i] := rank q's inputs[i]: one all-gather of the inputs' concatenation, scattered into "
+           "the outputs (one list per rank, matching inputs' sizes)")
       .def("stats", &tp::Transport::stats, "counters a wrapper keeps; empty otherwise")
       .def("set_stamp_completion", &tp::Transport::set_stamp_completion, py::arg("on"))
       .def_property_readonly("applies_scale", &tp::Transport::applies_scale)

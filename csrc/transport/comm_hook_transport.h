@@ -27,6 +27,7 @@ class CommHookTransport : public Transport {
   Future all_reduce(at::Tensor piece, double scale) override;
   Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) override;
   Future all_gather(at::Tensor shard, at::Tensor output) override;
+  Future all_gather_many(std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs) override;
 
   int64_t rank() const override { return rank_; }
   int64_t world_size() const override { return world_size_; }

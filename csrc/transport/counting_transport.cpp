@@ -32,6 +32,10 @@ class CountingTransport : public WrappingTransport {
     count(all_gather_, output);
     return WrappingTransport::all_gather(std::move(shard), std::move(output));
   }
+  Future all_gather_many(std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs) override {
+    count(all_gather_, all_gather_many_bytes(inputs, world_size()));
+    return WrappingTransport::all_gather_many(std::move(inputs), std::move(outputs));
+  }
   std::string name() const override { return "counting(" + inner_->name() + ")"; }
   std::map<std::string, int64_t> stats() const override {
     return {{"all_reduce_calls", all_reduce_.calls},         {"all_reduce_bytes", all_reduce_.bytes},
@@ -41,14 +45,16 @@ class CountingTransport : public WrappingTransport {
 
  private:
   // Bytes are those of the full-size tensor: the piece, the reduce-scatter
-  // input, the all-gather output.
+  // input, the all-gather output (all_gather_many: the output it stands for,
+  // world_size x its inputs).
   struct Counter {
     std::atomic<int64_t> calls{0};
     std::atomic<int64_t> bytes{0};
   };
-  static void count(Counter& counter, const at::Tensor& t) {
+  static void count(Counter& counter, const at::Tensor& t) { count(counter, static_cast<int64_t>(t.nbytes())); }
+  static void count(Counter& counter, int64_t bytes) {
     ++counter.calls;
-    counter.bytes += static_cast<int64_t>(t.nbytes());
+    counter.bytes += bytes;
   }
   Counter all_reduce_, reduce_scatter_, all_gather_;
 };

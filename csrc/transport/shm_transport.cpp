@@ -330,10 +330,34 @@ transport::Future ShmTransport::all_gather(at::Tensor shard, at::Tensor output) 
   return enqueue(Job{transport::Collective::kAllGather, std::move(shard), std::move(output), 1.0, nullptr});
 }
 
+transport::Future ShmTransport::all_gather_many(std::vector<at::Tensor> inputs,
+                                                std::vector<std::vector<at::Tensor>> outputs) {
+  const int64_t total = transport::check_all_gather_many("ShmTransport.all_gather_many", inputs, outputs, world_size_);
+  const at::ScalarType dtype = inputs[0].scalar_type();
+  for (const at::Tensor& t : inputs) check_carriable("all_gather_many", "an input", t, dtype);
+  for (const auto& mine : outputs) {
+    for (const at::Tensor& t : mine) check_carriable("all_gather_many", "an output", t, dtype);
+  }
+  Job job{transport::Collective::kAllGather, at::Tensor(), at::Tensor(), 1.0, nullptr};
+  job.shard_pieces = std::move(inputs);
+  job.output_pieces = std::move(outputs);
+  job.pieces_numel = total;
+  return enqueue(std::move(job));
+}
+
 transport::Future ShmTransport::enqueue(Job job) {
   check_owner(transport::collective_name(job.kind));
   job.future = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
   auto future = job.future;
+  // The caller's handle holds the tensors too: see [Note: who lets go of a
+  // collective's tensors] in transport.h.
+  auto tensors = std::make_shared<std::vector<at::Tensor>>();
+  tensors->reserve(2 + job.shard_pieces.size() * (1 + job.output_pieces.size()));
+  for (const at::Tensor* t : {&job.input, &job.output}) {
+    if (t->defined()) tensors->push_back(*t);
+  }
+  tensors->insert(tensors->end(), job.shard_pieces.begin(), job.shard_pieces.end());
+  for (const auto& mine : job.output_pieces) tensors->insert(tensors->end(), mine.begin(), mine.end());
   {
     std::lock_guard<std::mutex> lock(queue_->mutex);
     TORCH_CHECK(!stopping_, "ShmTransport.", transport::collective_name(job.kind),
@@ -341,7 +365,7 @@ transport::Future ShmTransport::enqueue(Job job) {
     queue_->jobs.push_back(std::move(job));
   }
   queue_->wake.notify_one();
-  return transport::Future(std::move(future));
+  return transport::Future(std::move(future), {}, {}, std::move(tensors));
 }
 
 void ShmTransport::work_loop() {
@@ -376,11 +400,15 @@ void ShmTransport::work_loop() {
         }
       }
     }
-    // Let go of the tensor before waking the caller: dropping a reference to
-    // a tensor Python also holds may need the GIL, which the caller has
-    // released only while it waits.
+    // Let go of the tensors before waking the caller. The caller's handle
+    // holds them too, so this is only a count; should the caller have
+    // dropped the handle, it is the last reference to a tensor Python may
+    // also hold, which needs the GIL, and the caller releases it while it
+    // waits. See [Note: who lets go of a collective's tensors].
     job.input.reset();
     job.output.reset();
+    job.shard_pieces.clear();
+    job.output_pieces.clear();
     if (error) {
       job.future->setError(error);
     } else {
@@ -402,10 +430,16 @@ void ShmTransport::run_job(const Job& job) {
   // reads it: it cannot finish that first piece without this rank. A
   // collective of no elements still makes one empty step, so its check
   // happens too.
-  const int64_t per_rank = job.kind == transport::Collective::kReduceScatter ? job.output.numel() : job.input.numel();
+  // all_gather_many describes itself as the all-gather of its total, which
+  // it is: see [Note: an all-gather in pieces].
+  const bool many = !job.input.defined();
+  const at::ScalarType dtype = many ? job.shard_pieces[0].scalar_type() : job.input.scalar_type();
+  const int64_t per_rank = many ? job.pieces_numel
+                                : job.kind == transport::Collective::kReduceScatter ? job.output.numel()
+                                                                                    : job.input.numel();
   ShmRankBlock& me = segment_->ranks[rank_];
   me.call_kind = static_cast<uint32_t>(job.kind);
-  me.call_dtype = static_cast<uint32_t>(job.input.scalar_type());
+  me.call_dtype = static_cast<uint32_t>(dtype);
   me.call_numel = per_rank;
   store(&me.call, ++calls_done_);
   call_unchecked_ = world_size_ > 1;
@@ -418,6 +452,26 @@ void ShmTransport::run_job(const Job& job) {
     }
     return;
   }
+  if (job.kind == transport::Collective::kAllGather) {
+    const int64_t element_size = static_cast<int64_t>(c10::elementSize(dtype));
+    auto span = [&](const at::Tensor& t) {
+      return std::make_pair(static_cast<char*>(t.data_ptr()), static_cast<int64_t>(t.nbytes()));
+    };
+    Spans shard;
+    std::vector<Spans> outputs(static_cast<size_t>(world_size_));
+    if (many) {
+      for (const at::Tensor& t : job.shard_pieces) shard.push_back(span(t));
+      for (int64_t q = 0; q < world_size_; ++q) {
+        for (const at::Tensor& t : job.output_pieces[static_cast<size_t>(q)]) outputs[q].push_back(span(t));
+      }
+    } else {
+      shard.push_back(span(job.input));
+      char* output = static_cast<char*>(job.output.data_ptr());
+      const int64_t bytes = shard[0].second;
+      for (int64_t q = 0; q < world_size_; ++q) outputs[q].emplace_back(output + q * bytes, bytes);
+    }
+    return run_all_gather(shard, outputs, element_size);
+  }
   auto run = [&](auto* input, auto scale) {
     using T = std::remove_pointer_t<decltype(input)>;
     switch (job.kind) {
@@ -426,7 +480,7 @@ void ShmTransport::run_job(const Job& job) {
       case transport::Collective::kReduceScatter:
         return run_reduce_scatter<T>(input, job.output.data_ptr<T>(), job.output.numel(), scale);
       case transport::Collective::kAllGather:
-        return run_all_gather<T>(input, job.output.data_ptr<T>(), job.input.numel());
+        break;  // above
     }
   };
   const at::Tensor& t = job.input;
@@ -534,24 +588,73 @@ void ShmTransport::run_reduce_scatter(const T* input, T* output, int64_t shard, 
   }
 }
 
-template <typename T>
-void ShmTransport::run_all_gather(const T* shard, T* output, int64_t numel) {
+// [Note: an all-gather in pieces]
+// An all-gather moves bytes without arithmetic, so it runs on byte spans:
+// this rank's shard as the ranges it is made of (one tensor, or
+// all_gather_many's pieces), and per rank q the ranges rank q's part lands
+// in, the same sizes in the same order. The protocol is the one of the
+// header's note, on the concatenation of the spans: step k covers bytes
+// [k * step, (k + 1) * step) of it whatever spans they fall in, so a rank
+// gathering pieces and a peer gathering one tensor of the same total meet in
+// the same regions with the same bytes. The step is a whole number of
+// elements, the same for both.
+
+namespace {
+
+// Where a walk over spans has got to: the span, and the byte within it.
+struct SpanCursor {
+  size_t span = 0;
+  int64_t within = 0;
+};
+
+// Calls visit(span bytes, offset from the walk's start, length) for the
+// `len` bytes of `spans` from `at`, span by span; returns where it stopped.
+template <typename Visit>
+SpanCursor walk_spans(const std::vector<std::pair<char*, int64_t>>& spans, SpanCursor at, int64_t len, Visit&& visit) {
+  for (int64_t done = 0; done < len;) {
+    const auto& [data, size] = spans[at.span];
+    const int64_t n = std::min(size - at.within, len - done);
+    if (n > 0) visit(data + at.within, done, n);
+    done += n;
+    at.within += n;
+    if (at.within == size) at = SpanCursor{at.span + 1, 0};
+  }
+  return at;
+}
+
+}  // namespace
+
+void ShmTransport::run_all_gather(const Spans& shard, const std::vector<Spans>& outputs, int64_t element_size) {
   const int64_t n = world_size_;
   const int64_t r = rank_;
-  std::memcpy(output + r * numel, shard, static_cast<size_t>(numel) * sizeof(T));
+  int64_t total = 0;
+  for (size_t i = 0; i < shard.size(); ++i) {
+    char* own = outputs[r][i].first;
+    if (own != shard[i].first) std::memcpy(own, shard[i].first, static_cast<size_t>(shard[i].second));
+    total += shard[i].second;
+  }
   if (n == 1) return;
-  const int64_t step = std::max<int64_t>(16, static_cast<int64_t>(segment_->region_bytes / sizeof(T)) / 16 * 16);
-  for (int64_t offset = 0; offset < numel; offset += step) {
-    const int64_t len = std::min(step, numel - offset);
-    const size_t bytes = static_cast<size_t>(len) * sizeof(T);
+  const int64_t step_elements = std::max<int64_t>(16, static_cast<int64_t>(segment_->region_bytes) / element_size / 16 * 16);
+  const int64_t step = step_elements * element_size;
+  SpanCursor at;  // every rank's spans have the shard's sizes: one cursor serves them all
+  for (int64_t offset = 0; offset < total; offset += step) {
+    const int64_t len = std::min(step, total - offset);
     const uint32_t piece = ++pieces_done_;
     const uint32_t set = piece & 1;
-    std::memcpy(region<T>(r, set, r), shard + offset, bytes);
+    char* mine = region<char>(r, set, r);
+    const SpanCursor next = walk_spans(shard, at, len, [&](const char* data, int64_t off, int64_t bytes) {
+      std::memcpy(mine + off, data, static_cast<size_t>(bytes));
+    });
     publish(Phase::kStaged, piece);
     wait_for_peers(Phase::kStaged, piece);
     for (int64_t q = 0; q < n; ++q) {
-      if (q != r) std::memcpy(output + q * numel + offset, region<T>(q, set, q), bytes);
+      if (q == r) continue;
+      const char* theirs = region<char>(q, set, q);
+      walk_spans(outputs[q], at, len, [&](char* data, int64_t off, int64_t bytes) {
+        std::memcpy(data, theirs + off, static_cast<size_t>(bytes));
+      });
     }
+    at = next;
     finish_step(piece);
   }
 }

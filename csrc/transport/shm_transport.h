@@ -84,6 +84,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <sys/types.h>
 
@@ -133,6 +135,14 @@ class ShmTransport : public transport::Transport {
   transport::Future all_reduce(at::Tensor piece, double scale) override;
   transport::Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) override;
   transport::Future all_gather(at::Tensor shard, at::Tensor output) override;
+  // The worker copies each input straight into this rank's staging region
+  // and each rank's region straight into its outputs: no concatenated input,
+  // no gathered buffer (see [Note: an all-gather in pieces] in the .cpp). It
+  // runs, and is checked against the peers, as an all_gather of the inputs'
+  // total, so it pairs with a peer's plain all_gather of that total. Writes
+  // through data pointers: no version counter is bumped.
+  transport::Future all_gather_many(std::vector<at::Tensor> inputs,
+                                    std::vector<std::vector<at::Tensor>> outputs) override;
   bool applies_scale() const override { return true; }
   std::string name() const override { return "shm"; }
 
@@ -150,6 +160,11 @@ class ShmTransport : public transport::Transport {
     at::Tensor output;  // the output shard (reduce-scatter) or output (all-gather)
     double scale = 1.0;
     c10::intrusive_ptr<c10::ivalue::Future> future;
+    // all_gather_many (kind kAllGather, input and output undefined): this
+    // rank's shard in pieces, rank q's destinations, and the shard's elements.
+    std::vector<at::Tensor> shard_pieces;
+    std::vector<std::vector<at::Tensor>> output_pieces;
+    int64_t pieces_numel = 0;
   };
   transport::Future enqueue(Job job);
 
@@ -160,8 +175,10 @@ class ShmTransport : public transport::Transport {
   void run_pieces(T* data, int64_t numel, Scale scale);
   template <typename T, typename Scale>
   void run_reduce_scatter(const T* input, T* output, int64_t shard, Scale scale);
-  template <typename T>
-  void run_all_gather(const T* shard, T* output, int64_t numel);
+  // A rank's part of an all-gather as the byte ranges it is made of, in
+  // order: the one shard, or all_gather_many's pieces.
+  using Spans = std::vector<std::pair<char*, int64_t>>;
+  void run_all_gather(const Spans& shard, const std::vector<Spans>& outputs, int64_t element_size);
   // Ends a step: raises reduced and waits for the peers' (see the note).
   void finish_step(uint32_t piece);
 

@@ -9,7 +9,8 @@
 // The collective still runs on `inner` (shared memory, gloo, mpi4py), so its
 // result is bitwise what `inner` computes; only its completion is held back.
 // For n ranks, a collective of `bytes` (the full-size tensor: the piece, the
-// reduce-scatter input, the all-gather output) takes, with the ring
+// reduce-scatter input, the all-gather output; all_gather_many's stands for
+// world_size x its inputs) takes, with the ring
 // algorithms NCCL uses across nodes,
 //
 //   all-reduce                   2(n-1) latency + 2(n-1)/n bytes / bandwidth
@@ -159,6 +160,10 @@ class SimNetTransport : public WrappingTransport {
   Future all_gather(at::Tensor shard, at::Tensor output) override {
     return delayed(Collective::kAllGather, output.nbytes(),
                    [&] { return WrappingTransport::all_gather(shard, output); });
+  }
+  Future all_gather_many(std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs) override {
+    return delayed(Collective::kAllGather, all_gather_many_bytes(inputs, world_size()),
+                   [&] { return WrappingTransport::all_gather_many(std::move(inputs), std::move(outputs)); });
   }
 
   std::string name() const override { return "sim_net(" + inner_->name() + ")"; }

@@ -3,6 +3,7 @@
 // wrapper, live in files of their own.)
 #include "transport/transport.h"
 
+#include "ops/flatten.h"
 #include "transport/comm_hook_transport.h"
 #include "transport/process_group_transport.h"
 
@@ -43,6 +44,74 @@ c10::intrusive_ptr<c10::ivalue::Future> stamped(const c10::intrusive_ptr<c10::iv
 }
 
 }  // namespace
+
+// --- all_gather_many ---------------------------------------------------------
+
+int64_t check_all_gather_many(const char* who, const std::vector<at::Tensor>& inputs,
+                              const std::vector<std::vector<at::Tensor>>& outputs, int64_t world_size) {
+  TORCH_CHECK(!inputs.empty(), who, ": needs at least one input (its dtype is the collective's)");
+  const at::Tensor& first = inputs[0];
+  auto check_one = [&](const at::Tensor& t, const char* role, int64_t q, size_t i) {
+    TORCH_CHECK(t.defined() && t.is_contiguous(), who, ": ", role, q < 0 ? "" : c10::str("[", q, "]"), "[", i,
+                "] is ", t.defined() ? "not contiguous" : "None");
+    TORCH_CHECK(t.scalar_type() == first.scalar_type() && t.device() == first.device(), who, ": ", role,
+                q < 0 ? "" : c10::str("[", q, "]"), "[", i, "] is ", t.scalar_type(), " on ", t.device(),
+                ", inputs[0] ", first.scalar_type(), " on ", first.device());
+  };
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_one(inputs[i], "inputs", -1, i);
+    total += inputs[i].numel();
+  }
+  TORCH_CHECK(static_cast<int64_t>(outputs.size()) == world_size, who, ": outputs has ", outputs.size(),
+              " lists, one per rank (world_size ", world_size, ") expected");
+  for (int64_t q = 0; q < world_size; ++q) {
+    const auto& mine = outputs[static_cast<size_t>(q)];
+    TORCH_CHECK(mine.size() == inputs.size(), who, ": outputs[", q, "] has ", mine.size(), " tensors, one per input (",
+                inputs.size(), ") expected");
+    for (size_t i = 0; i < mine.size(); ++i) {
+      check_one(mine[i], "outputs", q, i);
+      TORCH_CHECK(mine[i].numel() == inputs[i].numel(), who, ": outputs[", q, "][", i, "] has ", mine[i].numel(),
+                  " elements, inputs[", i, "] ", inputs[i].numel());
+    }
+  }
+  return total;
+}
+
+int64_t all_gather_many_bytes(const std::vector<at::Tensor>& inputs, int64_t world_size) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : inputs) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes * world_size;
+}
+
+// The oracle every transport has: concatenate, all_gather, copy out.
+Future Transport::all_gather_many(std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs) {
+  const int64_t n = world_size();
+  const int64_t per_rank = check_all_gather_many("Transport.all_gather_many", inputs, outputs, n);
+  at::Tensor joined = ops::flatten(inputs);
+  at::Tensor gathered = at::empty({per_rank * n}, joined.options());
+  Future inner = all_gather(joined, gathered);
+  // The copy out runs on the thread that completes the all-gather. The
+  // tensors stay with the returned handle: see [Note: who lets go of a
+  // collective's tensors] in transport.h.
+  struct Pending {
+    at::Tensor joined, gathered;
+    std::vector<std::vector<at::Tensor>> outputs;
+  };
+  auto pending = std::make_shared<Pending>(Pending{std::move(joined), std::move(gathered), std::move(outputs)});
+  const bool stamp = stamp_completion();
+  auto done = inner.ivalue()->then(
+      [pending, per_rank, n, stamp](c10::ivalue::Future& finished) -> c10::IValue {
+        if (finished.hasError()) std::rethrow_exception(finished.exception_ptr());
+        for (int64_t q = 0; q < n; ++q) {
+          ops::unflatten_into(pending->gathered.narrow(0, q * per_rank, per_rank),
+                              pending->outputs[static_cast<size_t>(q)], 1.0);
+        }
+        return stamp ? steady_now_ns() : int64_t{-1};
+      },
+      c10::IntType::get());
+  return Future(std::move(done), [inner] { inner.wait(); }, inner.inner(), std::move(pending));
+}
 
 // --- wrappers ---------------------------------------------------------------
 
@@ -196,6 +265,11 @@ Future CommHookTransport::reduce_scatter(at::Tensor /*input*/, at::Tensor /*outp
 }
 
 Future CommHookTransport::all_gather(at::Tensor /*shard*/, at::Tensor /*output*/) {
+  TORCH_CHECK(false, "CommHookTransport: a DDP comm hook only all-reduces buckets, it cannot all-gather");
+}
+
+Future CommHookTransport::all_gather_many(std::vector<at::Tensor> /*inputs*/,
+                                          std::vector<std::vector<at::Tensor>> /*outputs*/) {
   TORCH_CHECK(false, "CommHookTransport: a DDP comm hook only all-reduces buckets, it cannot all-gather");
 }
 

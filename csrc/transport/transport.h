@@ -9,6 +9,19 @@
 //                                              (shard `rank` of input) × scale,
 //                                              input being world_size contiguous shards
 //   all_gather(shard, output)                  output := every rank's shard, in rank order
+//   all_gather_many(inputs, outputs)           outputs[q] := rank q's inputs, piece by piece
+//
+// all_gather_many is one all-gather whose shard is the concatenation of
+// `inputs` and whose output is scattered: rank q's part lands in the views
+// outputs[q][0], outputs[q][1], ... (sizes those of inputs[0], inputs[1], ...).
+// It lets a caller gather several buffers (the shards of a batch of sharded
+// units) into several places (each unit's unsharded buffer) without staging
+// through a concatenated input and a rank-major output of its own. It is the
+// same collective as all_gather of the concatenation, to the peers too: a
+// rank may pair it with a peer's all_gather of the same total. The base
+// class implements it as exactly that (concatenate, all_gather, copy out on
+// completion); the shared-memory transport moves the pieces straight
+// through its segment.
 //
 // Each returns a transport::Future that completes with the time the
 // collective finished (see Future), so a caller keeps one handle per piece in
@@ -60,10 +73,16 @@ class Future {
   // `bounded_wait`, if given, is a wait that gives up after the transport's
   // own timeout (a process group's Work::wait); wait() runs it first.
   // `inner`, if given, is the future of the work the transport wrapped (a
-  // comm hook's, holding its result tensor).
+  // comm hook's, holding its result tensor). `keep_alive`, if given, is
+  // what the transport's thread uses while it runs (the collective's
+  // tensors), held by this handle too: see [Note: who lets go of a
+  // collective's tensors].
   explicit Future(c10::intrusive_ptr<c10::ivalue::Future> done, std::function<void()> bounded_wait = {},
-                  c10::intrusive_ptr<c10::ivalue::Future> inner = {})
-      : done_(std::move(done)), bounded_wait_(std::move(bounded_wait)), inner_(std::move(inner)) {}
+                  c10::intrusive_ptr<c10::ivalue::Future> inner = {}, std::shared_ptr<const void> keep_alive = {})
+      : done_(std::move(done)),
+        bounded_wait_(std::move(bounded_wait)),
+        inner_(std::move(inner)),
+        keep_alive_(std::move(keep_alive)) {}
 
   bool defined() const { return static_cast<bool>(done_); }
   // Blocks until the collective is done; throws its error. Returns the
@@ -77,7 +96,20 @@ class Future {
   c10::intrusive_ptr<c10::ivalue::Future> done_;
   std::function<void()> bounded_wait_;
   c10::intrusive_ptr<c10::ivalue::Future> inner_;
+  std::shared_ptr<const void> keep_alive_;
 };
+
+// [Note: who lets go of a collective's tensors]
+// A tensor that Python also holds has its Python object kept alive by the
+// C++ references to it (torch's PyObject preservation): the C++ reference
+// that drops the count back to Python's alone decrefs that object, and so
+// takes the GIL. A transport thread that let go of a batch's tensors itself
+// would take the GIL once per tensor, while the caller runs Python (a
+// prefetched gather completes during the previous unit's compute), and each
+// time wait for the interpreter to hand it over. So a transport that keeps
+// the tensors on its own thread also puts them in the Future's keep_alive:
+// the handle the caller holds (in Python, with the GIL) keeps them until it
+// is dropped there, and the thread's own release is then only a count.
 
 class Transport {
  public:
@@ -88,6 +120,15 @@ class Transport {
   virtual Future all_reduce(at::Tensor piece, double scale) = 0;
   virtual Future reduce_scatter(at::Tensor input, at::Tensor output_shard, double scale) = 0;
   virtual Future all_gather(at::Tensor shard, at::Tensor output) = 0;
+  // See [Note: transports]. Requires inputs non-empty, contiguous, of one
+  // dtype and device; outputs.size() == world_size(), each outputs[q] as
+  // many contiguous tensors of that dtype and device as inputs, the i-th of
+  // inputs[i].numel() elements (check_all_gather_many); the outputs must not
+  // overlap each other or the inputs. The default concatenates the inputs
+  // (a new buffer), all-gathers into another, and copies each rank's part
+  // out (ops::unflatten_into, which bumps the outputs' version counters) on
+  // the thread that completes the all-gather, before the future completes.
+  virtual Future all_gather_many(std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs);
 
   // A transport that hands the whole bucket to user code (a comm hook) gets
   // the bucket with the piece (the piece is then the whole bucket): the
@@ -129,6 +170,17 @@ class Transport {
   std::atomic<bool> stamp_completion_{true};
 };
 
+// The checks of all_gather_many's arguments (see Transport::all_gather_many),
+// raising with `who` (e.g. "ShmTransport.all_gather_many") and the index of
+// the offending tensor. Returns the inputs' total number of elements: the
+// all-gather's elements per rank.
+int64_t check_all_gather_many(const char* who, const std::vector<at::Tensor>& inputs,
+                              const std::vector<std::vector<at::Tensor>>& outputs, int64_t world_size);
+
+// The bytes of the all-gather output all_gather_many stands for: world_size
+// times its inputs' (what a wrapper counts or delays it as).
+int64_t all_gather_many_bytes(const std::vector<at::Tensor>& inputs, int64_t world_size);
+
 // A transport in front of another: forwards everything to `inner`. A
 // subclass overrides the collectives it changes (a simulated network delays
 // them, a counter counts them).
@@ -141,6 +193,9 @@ class WrappingTransport : public Transport {
   }
   Future all_gather(at::Tensor shard, at::Tensor output) override {
     return inner_->all_gather(std::move(shard), std::move(output));
+  }
+  Future all_gather_many(std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs) override {
+    return inner_->all_gather_many(std::move(inputs), std::move(outputs));
   }
   bool owns_buckets() const override { return inner_->owns_buckets(); }
   Future all_reduce_bucket(at::Tensor piece, double scale, c10d::GradBucket& bucket) override {

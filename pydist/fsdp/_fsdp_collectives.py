@@ -5,7 +5,7 @@ csrc/transport/transport.h).
 
     transport = open_transport(group, samples, shm=None) # collective, once per root
     fut = all_gather_unit(transport, shard, unsharded)   # unshard one unit
-    fut = all_gather_units(transport, shards, outputs)   # unshard several as one collective
+    fut = all_gather_units(transport, shards, outputs, rank_views, dtype)  # several units, one collective
     rs = reduce_scatter_grads(transport, grads, numels, shard_numel, dtype)  # post-backward, a lone unit
     rs.future.wait(); rs.output                          # this rank's summed shard
     pack_unit_grads(transport, grads, numels, rs_input, world_size, column, shard_numel)  # into a batch's input
@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
-from pydist import _C, ops
+from pydist import _C
 from pydist import transport as pydist_transport
 
 __all__ = [
@@ -101,12 +101,18 @@ class UnshardResult(NamedTuple):
 # reduce-scatters on its own (1,200 collectives a step). The root therefore
 # hands several consecutive units to the transport as one collective (how
 # many: the root's batch_bytes; see [Note: gather and reduce plans] in
-# _fsdp_state.py). The transport's collectives are over one contiguous
-# per-rank shard, and the units' shards are separate buffers, so:
-#   all-gather       the units' shards are concatenated (one copy), gathered
-#                    into rank-major [rank 0: s_a s_b ..., rank 1: s_a s_b ...],
-#                    and rank q's part of each unit copied into its unsharded
-#                    buffer at [q * s_u, (q + 1) * s_u) (one fused copy per rank);
+# _fsdp_state.py). The units' shards and unsharded buffers are separate
+# buffers, so:
+#   all-gather       one ``Transport.all_gather_many``: this rank's shard is
+#                    the units' shards end to end [s_a s_b ...], and rank q's
+#                    part of unit u lands straight in u's unsharded buffer at
+#                    [q * s_u, (q + 1) * s_u). On shared memory the transport
+#                    thread copies each shard into the segment and each
+#                    rank's part out of it (no concatenated input, no
+#                    rank-major gathered buffer, nothing on the caller's
+#                    thread); other transports concatenate, gather and copy
+#                    out on completion (see [Note: transports] in
+#                    csrc/transport/transport.h);
 #   reduce-scatter   the batch's input is rank-major [rank 0: s_a s_b ...,
 #                    rank 1: s_a s_b ...]; each unit's post-backward packs its
 #                    gradients straight into its column of every row (one pass
@@ -118,35 +124,31 @@ class UnshardResult(NamedTuple):
 # Every element goes through the same arithmetic as unbatched (the sum of
 # g_r / N, term by term), so the results are bitwise those of one collective
 # per unit, which are torch FSDP2's at two ranks. A batch of one unit takes
-# the unbatched path (no extra copy).
+# the unbatched path (``all_gather_unit``).
 
 
 class UnitsGather:
-    """Several units' all-gather in flight as one collective. ``wait()``
-    (idempotent: every unit of the batch calls it) copies each rank's part
-    into the units' unsharded buffers. See [Note: batched collectives]."""
+    """Several units' all-gather in flight as one collective. ``wait()`` is
+    idempotent: every unit of the batch calls it. See [Note: batched
+    collectives]."""
 
-    def __init__(self, future, joined: torch.Tensor, gathered: torch.Tensor, outputs: tuple, rank_views: list):
-        self.future = future  # pydist.transport.TransportFuture
-        self.joined = joined  # the concatenated shards: alive until the transport is done
-        self.gathered = gathered  # the rank-major output; alive until the copy out
-        self.outputs = outputs  # the units' unsharded buffers
-        self.rank_views = rank_views  # per unit, its buffer's part for each rank
+    def __init__(self, future, preserve, inputs: list):
+        self.future = future  # pydist.transport.TransportFuture; until the wait
+        self.preserve = preserve  # restores the outputs' version counters at the wait
+        self.inputs = inputs  # the shards sent (cast copies under mixed precision): alive until done
         self.completed: int | None = None
 
     def wait(self) -> int:
         if self.completed is None:
             completed = self.future.wait()
-            # The buffers' autograd-saved views hold the same values as in
-            # forward: put the version counters back (see all_gather_unit).
-            preserve = torch.autograd._unsafe_preserve_version_counter(self.outputs)
-            world_size = len(self.rank_views[0])
-            length = self.gathered.numel() // world_size
-            for q in range(world_size):
-                ops.unflatten_into(self.gathered.narrow(0, q * length, length), [views[q] for views in self.rank_views])
-            preserve.__exit__(None, None, None)
+            # Put the version counters back, as all_gather_unit does: the
+            # shared-memory worker writes through data pointers (no bump), but
+            # another transport's copy out (ops.unflatten_into, on the thread
+            # that completed the gather) bumps them.
+            self.preserve.__exit__(None, None, None)
             self.completed = completed
-            self.joined = self.gathered = self.outputs = self.rank_views = None
+            # the handle holds the batch's tensors too: let go of them here, with the GIL
+            self.future = self.preserve = self.inputs = None
         return self.completed
 
 
@@ -156,11 +158,11 @@ def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: Sequenc
     (cast to ``dtype``) of every rank q lands in ``rank_views[i][q]``, a view
     of ``outputs[i]``. ``wait()`` before reading any output. See [Note:
     batched collectives]."""
-    joined = torch.cat(list(shards))
-    if joined.dtype != dtype:
-        joined = joined.to(dtype)
-    gathered = torch.empty(joined.numel() * transport.world_size, dtype=dtype)
-    return UnitsGather(transport.all_gather(joined, gathered), joined, gathered, tuple(outputs), list(rank_views))
+    inputs = [shard if shard.dtype == dtype else shard.to(dtype) for shard in shards]
+    per_rank = [[views[q] for views in rank_views] for q in range(transport.world_size)]
+    # The counters are recorded before the transport may write (see all_gather_unit).
+    preserve = torch.autograd._unsafe_preserve_version_counter(tuple(outputs))
+    return UnitsGather(transport.all_gather_many(inputs, per_rank), preserve, inputs)
 
 
 def copy_scale(transport) -> float:
