@@ -40,8 +40,8 @@ without grad) the root frees the slots (``UnshardPool.release``): between
 iterations the pool holds nothing, so a rank's persistent bytes stay the
 shards, gradients and optimizer state (16 Psi / N for fp32 Adam), and
 unsharded memory is only ever what this iteration needs. (A batched gather
-still stages through a rank-major buffer of its own, freed at its wait: see
-``UnitsGather``.)
+off shared memory still stages through a buffer of the transport's own,
+freed at its completion: see ``UnitsGather``.)
 
 What makes reuse safe, by construction: a slot is taken whole at unshard,
 only when no unit points into it, and is given back only when the last unit
