@@ -137,6 +137,8 @@ class UnitsGather:
         self.preserve = preserve  # restores the outputs' version counters at the wait
         self.inputs = inputs  # the shards sent (cast copies under mixed precision): alive until done
         self.completed: int | None = None
+        # The units gathered, which the first to wait unshards (set by unshard_units).
+        self.members: list | None = None
 
     def wait(self) -> int:
         if self.completed is None:

@@ -347,11 +347,38 @@ class FSDPParamGroup:
                 and self.compute_dtype == other.compute_dtype and self.reduce_dtype == other.reduce_dtype)
 
     def _wait_all_gather(self) -> None:
+        """Waits for this unit's all-gather; when it is a batch's (see
+        [Note: batched collectives]), the batch's other units are done with
+        it too, and are unsharded here, so each of their hooks finds its
+        parameters in place and waits for nothing. Their records say so:
+        needed when this wait returned, not before."""
+        future = self._unshard_future
         needed = time.monotonic_ns()
-        completed = self._unshard_future.wait()
+        completed = future.wait()
         self._unshard_future = None
         issued, phase = self._unshard_issue
         self._timings += ("all_gather", phase, issued, needed, completed)
+        mates = getattr(future, "members", None)
+        if mates is not None:
+            future.members = None
+            found = time.monotonic_ns()
+            for pg in mates:
+                if pg._unshard_future is future:
+                    pg._unshard_future = None
+                    issued, phase = pg._unshard_issue
+                    pg._timings += ("all_gather", phase, issued, found, completed)
+                    pg._register_unsharded()
+
+    def _register_unsharded(self) -> None:
+        """The all-gather is done: the full parameters go on the modules."""
+        if self._unsharded_regs is None:
+            for fp in self.fsdp_params:
+                fp.init_unsharded_param(self.unsharded)
+            self._unsharded_regs = [(i.module._parameters, i.name, fp.unsharded_param)
+                                    for fp in self.fsdp_params for i in fp.module_infos]
+            self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
+        _register(self._unsharded_regs)
+        self.sharded_state = ShardedState.UNSHARDED
 
     def wait_for_unshard(self, phase: str = "explicit") -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
@@ -359,14 +386,7 @@ class FSDPParamGroup:
             self.unshard(phase, pooled=phase != "explicit")
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()
-            if self._unsharded_regs is None:
-                for fp in self.fsdp_params:
-                    fp.init_unsharded_param(self.unsharded)
-                self._unsharded_regs = [(i.module._parameters, i.name, fp.unsharded_param)
-                                        for fp in self.fsdp_params for i in fp.module_infos]
-                self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
-            _register(self._unsharded_regs)
-            self.sharded_state = ShardedState.UNSHARDED
+            self._register_unsharded()
 
     def reshard(self) -> None:
         """Registers the shards on the modules and gives the buffer's memory back."""
@@ -410,7 +430,8 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return False
         self.training_state = TrainingState.PRE_BACKWARD
-        self.wait_for_unshard("backward")
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            self.wait_for_unshard("backward")
         return True
 
     # [Note: the per-gradient seam]
@@ -662,6 +683,7 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
             g.rank_views = list(g.unsharded.split(g.shard_numel))
     future = collectives.all_gather_units(groups[0].transport, [g.shard for g in groups], [g.unsharded for g in groups],
                                           [g.rank_views for g in groups], groups[0].compute_dtype)
+    future.members = groups  # the first wait unshards them all: see _wait_all_gather
     for g in groups:
         g._unshard_future = future
 
