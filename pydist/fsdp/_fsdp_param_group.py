@@ -805,10 +805,20 @@ class GradBatch:
     callback, for a batch some member never reached) sends the collective
     as planned, zeros in the columns of the members that did not arrive; a
     later one then goes alone. ``finalize`` waits once and hands every
-    arrived member's shards their ``.grad``."""
+    arrived member's shards their ``.grad``.
 
-    def __init__(self, members: list[FSDPParamGroup]):
+    Its input is needed only until its collective is done: a batch whose
+    first member arrives takes the input of an earlier batch of the same
+    backward (``siblings``) whose collective is done, where one is large
+    enough, rather than new memory. So a backward holds about two inputs at
+    a time, not one per batch, and writes into memory the process already
+    has, where fresh memory (above glibc's mmap threshold, or given back to
+    the kernel at the end of the last iteration) costs a page fault per
+    page at its first write."""
+
+    def __init__(self, members: list[FSDPParamGroup], siblings: list["GradBatch"]):
         self.members = members
+        self.siblings = siblings  # this backward's batches (this one among them once planned)
         # Each member's column in a row, and the row's length.
         self.columns: dict[int, int] = {}
         row = 0
@@ -842,7 +852,15 @@ class GradBatch:
 
     def _input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
         if self.input is None:
-            self.input = torch.empty(self.world_size * self.row, dtype=pg.reduce_dtype)
+            numel = self.world_size * self.row
+            for other in self.siblings:
+                spare = other.input
+                if (other.launched and spare is not None and spare.numel() >= numel and spare.dtype == pg.reduce_dtype
+                        and other.future.done()):
+                    other.input = None  # its collective is done with it: see the class's docstring
+                    self.input = spare.narrow(0, 0, numel)
+                    return self.input
+            self.input = torch.empty(numel, dtype=pg.reduce_dtype)
         return self.input
 
     def _arrive(self, pg: FSDPParamGroup) -> None:
@@ -871,6 +889,7 @@ class GradBatch:
     def finalize(self) -> None:
         """Waits for the collective; records it for every arrived member and
         hands their shards their ``.grad``."""
+        self.siblings = None  # the list holds this batch: leave no cycle for the garbage collector
         if self.future is None:
             return
         needed = time.monotonic_ns()

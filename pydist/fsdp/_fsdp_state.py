@@ -461,7 +461,7 @@ class FSDPState:
 
         def close_run():
             if len(run) > 1:
-                batch = GradBatch(list(run))
+                batch = GradBatch(list(run), self.grad_batches)
                 for member in run:
                     member.grad_batch = batch
                 self.grad_batches.append(batch)

@@ -1,7 +1,8 @@
 """The unshard pool (see [Note: the unsharded buffer's memory] in
 pydist/fsdp/_fsdp_param_group.py): during training the units' unsharded
 storages point into at most POOL_SLOTS slots, no two live buffers share a
-byte, and the slots stop growing after the first step; a long run that
+byte, and the slots stop growing after the first step; no two reduce
+batches hold one input's bytes, and later batches reuse earlier inputs; a long run that
 changes reshard_after_forward, explicit unshard, prefetch targets and
 reshard_after_backward between steps (one of them inside a unit's forward,
 after it borrowed a slot) stays bitwise torch FSDP2's at two ranks; and the pool's guards raise on a slot handed out twice, on units
@@ -70,6 +71,8 @@ class PoolProbe:
         self.problems: list[str] = []
         self.step = 0  # set by the training loop
         self.owning_by_step: dict[int, int] = {}
+        self.root_state = model._pydist_fsdp_state
+        self.inputs_passed_on = 0  # the most reduce batches seen (in one backward) to have passed their input on
 
     def __call__(self):
         pool = self.units[0].pool
@@ -98,6 +101,20 @@ class PoolProbe:
                     self.problems.append(f"{pg.label!r} is placed in slot {pg._slot.index} but points at {ptr:#x}")
         self.samples += 1
         self.max_live_slots = max(self.max_live_slots, len(slots))
+        self._check_grad_batch_inputs()
+
+    def _check_grad_batch_inputs(self):
+        """The reduce batches of this backward: no two hold one input's bytes
+        (a batch takes an earlier one's input only once its collective is
+        done, and the earlier one lets go of it); counts the inputs passed on."""
+        batches = self.root_state.grad_batches
+        held = sorted((b.input.data_ptr(), b.input.numel() * b.input.element_size(), i)
+                      for i, b in enumerate(batches) if b.input is not None)
+        for (a, n, i), (b, _, j) in zip(held, held[1:]):
+            if a + n > b:
+                self.problems.append(f"grad batches {i} and {j} hold overlapping inputs at {a:#x}, {b:#x}")
+        passed_on = sum(b.launched and b.input is None and b.future is not None for b in batches)
+        self.inputs_passed_on = max(self.inputs_passed_on, passed_on)
 
     def hook_blocks(self, model):
         """Samples inside each unit's forward, and in its backward."""
@@ -207,7 +224,7 @@ def _train(rank, world_size, impl, mixed, steps):
     if probe is not None:
         out.update(samples=probe.samples, pooled=probe.pooled, owning=probe.owning,
                    max_live_slots=probe.max_live_slots, problems=probe.problems, slot_ptrs=slot_ptrs,
-                   owning_by_step=probe.owning_by_step, moved=moved[0])
+                   owning_by_step=probe.owning_by_step, moved=moved[0], inputs_passed_on=probe.inputs_passed_on)
     return out
 
 
@@ -234,6 +251,8 @@ def test_pool_bounded_and_mixed_settings_bitwise_torch_fsdp2(mixed):
         # prefetch targets, which own their memory.
         assert got["owning_by_step"].get(1, 0) == 0, got["owning_by_step"]
         assert got["pooled"] > 0 and got["owning"] > 0, (got["pooled"], got["owning"])
+        # Reduce batches reuse the input of an earlier one whose collective is done.
+        assert got["inputs_passed_on"] > 0, f"rank {rank}: no reduce batch took an earlier batch's input"
         assert got["moved"] == 1, f"rank {rank}: blocks.3 left the pool {got['moved']} times (step 7: once)"
         # Between iterations the pool holds nothing (released at the end of backward).
         assert all(ptrs == [0] * POOL_SLOTS for ptrs in got["slot_ptrs"]), got["slot_ptrs"]
