@@ -124,6 +124,9 @@ class ShardedState(enum.Enum):
     SHARDED = enum.auto()  # the shard only; the unsharded buffer has no memory
     UNSHARDING = enum.auto()  # all-gather in flight into the unsharded buffer
     UNSHARDED = enum.auto()  # full parameters registered on the modules
+    # Gathered and kept from its forward for its backward, the shards on the
+    # modules meanwhile (see [Note: gather and reduce plans] in _fsdp_state.py)
+    KEPT = enum.auto()
 
 
 class FSDPParamGroup:
@@ -285,6 +288,13 @@ class FSDPParamGroup:
         # reshards it if its forward does not come (see [Note: gather and
         # reduce plans] in _fsdp_state.py).
         self.gathered_ahead = False
+        # In the last batch the root's forward plan gathers: its post-forward
+        # leaves it KEPT, not SHARDED, as backward needs it first (see [Note:
+        # gather and reduce plans] in _fsdp_state.py).
+        self.keep_for_backward = False
+        # Set by the root at its lazy init: the nearest unit whose module
+        # contains this one's, the root aside (None: none).
+        self.enclosing: FSDPParamGroup | None = None
         # Set by the root at its lazy init: the pool of unshard slots every
         # unit of the root shares, and whether this is the root's own unit
         # (it keeps its parameters from forward to backward). See [Note: the
@@ -382,6 +392,10 @@ class FSDPParamGroup:
 
     def wait_for_unshard(self, phase: str = "explicit") -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
+        if self.sharded_state is ShardedState.KEPT:  # gathered already (its backward, a recompute)
+            _register(self._unsharded_regs)
+            self.sharded_state = ShardedState.UNSHARDED
+            return
         if self.sharded_state == ShardedState.SHARDED:
             self.unshard(phase, pooled=phase != "explicit")
         if self.sharded_state == ShardedState.UNSHARDING:
@@ -401,6 +415,7 @@ class FSDPParamGroup:
             _C.point_storage_at_nothing(self.unsharded)
         self.sharded_state = ShardedState.SHARDED
         self.gathered_ahead = False
+        self.keep_for_backward = False
 
     # --- the iteration ---------------------------------------------------------
 
@@ -409,7 +424,15 @@ class FSDPParamGroup:
         self.wait_for_unshard("forward")
 
     def post_forward(self, reshard: bool) -> None:
-        if reshard:
+        if self.keep_for_backward:
+            # The memory stays, the shards go on the modules as after a
+            # reshard: ``model.parameters()`` gives what the optimizer steps
+            # on until the backward, and an edit there is seen (the root
+            # reshards a KEPT unit at its next forward if no backward came).
+            self.keep_for_backward = False
+            _register(self._sharded_regs)
+            self.sharded_state = ShardedState.KEPT
+        elif reshard:
             self.reshard()
         else:
             self._leave_pool()  # see [Note: the unsharded buffer's memory]

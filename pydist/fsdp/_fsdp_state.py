@@ -55,6 +55,17 @@ which are gathered ahead.
                      resharded at the root's post-forward.
     backward         the plan is this iteration's forward order reversed,
                      cut the same way ("backward", then "backward_prefetch").
+                     The forward's last batch is the backward's first, so
+                     it is not resharded after its forward but kept for it
+                     (its memory held, the shards on the modules meanwhile),
+                     and the backward's first hook sends the next batch
+                     ahead at once. Not when a unit around one of its
+                     members is outside the batch: that unit's backward
+                     begins first and would gather ahead while the kept
+                     batch still holds its slot. Kept units that no
+                     backward used (a forward with grad and no backward)
+                     are resharded at the root's next forward, since
+                     their parameters may have changed in between.
     reduce-scatter   at the first backward hook, the units of the backward
                      plan that will reduce are cut into GradBatches of up to
                      batch_bytes; the last member's post-backward launches its
@@ -172,10 +183,16 @@ class FSDPState:
                 state.refuse_batch_bytes_off_root(self, name)
         self.is_root = True
         self.all_states = [s for _, s in named]
+        units = {name: s.param_group for name, s in named if s.param_group is not None and s is not self}
         for name, state in named:
             state.root = self
             if state.param_group is not None:
                 state.param_group.label = name  # records and errors name units by their place
+                # The nearest unit around this one, the root's aside: it computes around it.
+                parts = name.split(".")
+                state.param_group.enclosing = next(
+                    (pg for i in range(len(parts) - 1, 0, -1) if (pg := units.get(".".join(parts[:i]))) is not None),
+                    None) if state is not self else None
         # One tensor of each dtype the units communicate in, so that a dtype
         # the shared-memory transport does not carry falls back to the group.
         samples = [torch.empty(0, dtype=dt) for s in self.all_states if (pg := s.param_group) is not None
@@ -205,6 +222,8 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         self.iteration += 1
+        if self.forward_plan is not None:
+            self.forward_plan.reshard_kept()  # no backward came for them
         self.forward_plan = GatherPlan(self.forward_order, self.batch_bytes, "forward") if self.forward_order else None
         self.backward_plan = None
         self.forward_order = []
@@ -455,6 +474,7 @@ class FSDPState:
         """Root, at the first backward hook: the backward gather plan and the
         reduce batches. See [Note: gather and reduce plans]."""
         self.backward_plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward")
+        self.backward_plan.start()
         self.grad_batches = []
         run: list[FSDPParamGroup] = []
         run_bytes = 0
@@ -517,6 +537,23 @@ class GatherPlan:
         self.phase = phase  # "forward" or "backward": records name the collectives by it
         self.cursor = 0  # every unit before it has been considered for a batch
         self.heads: set[int] = set()  # first units of batches issued ahead: starting one issues the next
+        self.kept: list[FSDPParamGroup] = []  # forward: the last batch, left unsharded for backward
+
+    def start(self) -> None:
+        """Backward, at its first hook: when the first units are unsharded
+        already (the forward's last batch, kept), the first batch to gather
+        goes out now, ahead, so it travels while they compute."""
+        if self.states and self.states[0].param_group.sharded_state is not ShardedState.SHARDED:
+            self._issue(0, self.phase + "_prefetch")
+
+    def reshard_kept(self) -> None:
+        """Reshards the units kept for a backward that did not come (a
+        forward with grad and no backward): their parameters may have
+        changed since they were gathered."""
+        for pg in self.kept:
+            if pg.sharded_state is ShardedState.KEPT or pg.keep_for_backward:
+                pg.reshard()
+        self.kept = []
 
     def need(self, state: FSDPState) -> None:
         """``state``'s unit is about to compute: gathers its batch if it has
@@ -555,6 +592,16 @@ class GatherPlan:
             pg.gathered_ahead = True
         self.heads.add(id(self.states[head]))
         unshard_units(members, phase)
+        if self.phase == "forward" and k == len(self.states) and torch.is_grad_enabled():
+            # The forward's last batch is the backward's first: it stays
+            # unsharded, unless a unit around one of its members is outside
+            # it (that unit's backward begins first and would gather the next
+            # batch while the kept one still holds its slot).
+            ids = {id(pg) for pg in members}
+            if all(pg.enclosing is None or id(pg.enclosing) in ids for pg in members):
+                self.kept = [pg for pg in members if pg.reshard_after_forward and not pg.is_root]
+                for pg in self.kept:
+                    pg.keep_for_backward = True
 
 
 def _cast_floating(tree, dtype: torch.dtype):
