@@ -291,6 +291,11 @@ class FSDPState:
             return
         flags = torch.tensor(list(itertools.chain.from_iterable(pg.had_grad for pg in units)), dtype=torch.float32)
         counts = collectives.all_reduce_sum(self.transport, flags).tolist()
+        if all(counts):  # every parameter had a gradient on some rank: the common case, in one pass
+            for pg in units:
+                pg.had_grad = None
+                pg._grads_for = None if pg._all_trainable else pg.fsdp_params
+            return
         start = 0
         for pg in units:
             end = start + len(pg.fsdp_params)
