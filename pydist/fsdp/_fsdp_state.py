@@ -133,6 +133,9 @@ class FSDPState:
         self._recomputing = False  # this forward is a recompute in backward: see _is_recompute
         self.pool: UnshardPool | None = None  # root only: see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
+        # Root only: its pre-forward ran and its post-forward has not yet (a
+        # forward that raised leaves it set). See [Note: an iteration that raised].
+        self._forward_open = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
         # Root only, during its forward: the tensor a unit's post-forward hooked
         # last, and its hook (see [Note: how a unit learns its backward is
@@ -203,7 +206,58 @@ class FSDPState:
             f"Call it on the root, and set {name!r} back to the default ({DEFAULT_BATCH_BYTES}) or never call it there"
         )
 
+    # [Note: an iteration that raised]
+    # A training loop may catch an exception from forward or backward (a bad
+    # batch, out of memory, a custom Function's backward) and go on with the
+    # next batch. The iteration then stopped in the middle: units left in
+    # FORWARD or PRE_BACKWARD, unsharded (in pool slots), gradients packed
+    # into batches or reduce-scatters in flight, the final callback never
+    # run (autograd runs queued callbacks only when backward succeeds). The
+    # root notices at its next pre-forward, with one check (its forward is
+    # still open, or its final callback still queued, and autograd is not
+    # running: a recompute in backward is neither), and puts every unit back
+    # as between iterations: it waits for every collective in flight (every
+    # rank issued them, as every rank raised at the same place; one that
+    # raised alone has diverged anyway), drops the gradients not yet reduced
+    # (the failed backward's, and those accumulated without sync before it:
+    # they cannot be told apart), reshards, frees the pool and plans the next
+    # forward as a first one. The shards' .grad from earlier backwards are
+    # left to the user's zero_grad. So the loop trains on as if the failed
+    # iteration had not run. torch's FSDP2 does the same after a forward that
+    # raised (bitwise), unless the optimizer steps before the next forward
+    # (a micro-batch raised after another trained): it computes that forward
+    # with the parameters the failed one gathered, before the step. After a
+    # backward that raised, it takes the next forward of a unit left in
+    # PRE_BACKWARD for a recompute and trains on differently. The hooks' fast
+    # path is untouched: the check is on the root's own pre-forward.
+    # ``load_state_dict`` between a failed iteration and the next forward
+    # recovers the same way first (see _state_dict.py).
+
+    def iteration_failed(self) -> bool:
+        """Root: whether its last iteration raised before it finished.
+        See [Note: an iteration that raised]."""
+        return (self._forward_open or self.final_callback_queued) and torch._C._current_graph_task_id() == -1
+
+    def recover_from_failed_iteration(self) -> None:
+        """Root: puts every unit back as between iterations. See [Note: an
+        iteration that raised]."""
+        batches, self.grad_batches = self.grad_batches, []
+        for batch in batches:
+            if batch.future is not None:  # launched: every rank issued it
+                batch.future.wait()
+        for state in self.all_states:
+            state._recomputing = False
+            if state.param_group is not None:
+                state.param_group.abandon_iteration()
+        self._last_hooked = self._last_hook = None
+        self.forward_order = []  # the next forward gathers as a first one
+        self.backward_plan = None
+        self.final_callback_queued = False
+        self._forward_open = False
+        self.pool.release()
+
     def _root_pre_forward(self) -> None:
+        self._forward_open = True
         self.iteration += 1
         self.forward_plan = GatherPlan(self.forward_order, self.batch_bytes, "forward") if self.forward_order else None
         self.backward_plan = None
@@ -317,6 +371,8 @@ class FSDPState:
             self._lazy_init()
         root = self.root
         pg = self.param_group
+        if self.is_root and self.iteration_failed():
+            self.recover_from_failed_iteration()
         self._recomputing = self._is_recompute()
         if self._recomputing:
             # Activation checkpointing recomputing the forward in backward:
@@ -392,6 +448,7 @@ class FSDPState:
                 reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
                 pg.post_forward(reshard)
             if self.is_root:
+                self._forward_open = False
                 self._last_hooked = self._last_hook = None
                 for state in self.all_states:  # gathered ahead for a forward that did not come
                     if state.param_group is not None and state.param_group.gathered_ahead:
