@@ -175,6 +175,7 @@ class FSDPState:
                 state.refuse_batch_bytes_off_root(self, name)
         self.is_root = True
         self.all_states = [s for _, s in named]
+        self._state_index = {id(s): i for i, s in enumerate(self.all_states)}  # what check_forward_order sends
         for name, state in named:
             state.root = self
             if state.param_group is not None:
@@ -332,6 +333,81 @@ class FSDPState:
             pg.take_grads_anywhere(counts[start:end])
             start = end
 
+    # [Note: ranks that run different units]
+    # Every rank must run the same units in the same order: their collectives
+    # are paired by order alone. A rank that skips a unit the others run (a
+    # mixture-of-experts layer routing no token to an expert on one rank, a
+    # branch taken on some ranks) would pair one unit's all-gather with
+    # another's: on shared memory the transport fails every rank at the first
+    # pair that differs in size; on gloo, a size mismatch aborts the process
+    # from gloo's own thread (torch's FSDP2 aborts the same way), and one of
+    # equal size pairs silently. So the root checks, with one small all-gather
+    # (the units run, as indices into all_states), that every rank ran the same
+    # units in the same order, and raises on every rank naming the units that
+    # differ, before any collective of backward:
+    #     at its post-forward, each forward;
+    #     before a unit gathers outside a plan (the first forward, or a unit
+    #     not in last iteration's order), each such unit.
+    # A forward plan (see [Note: gather and reduce plans]) issues the same
+    # batches on every rank whichever of its units a rank skips: a unit
+    # needing its batch past the last one issued first issues the batches
+    # before it (GatherPlan.need), and every check first issues what is left
+    # of the plan (GatherPlan.issue_rest). So every rank reaches a check
+    # having issued the same collectives, and checks pair with checks. Units
+    # gathered for a forward that did not come are resharded at the root's
+    # post-forward, as before. Not covered: set_modules_to_forward_prefetch
+    # targets (gathered when their source runs), and backwards whose graph
+    # differs across ranks for the same units (the order is checked, not the
+    # graph). After the error, the root's next forward recovers (see [Note:
+    # an iteration that raised]) and checks each unit again.
+
+    def check_forward_order(self, gathering: FSDPState | None) -> None:
+        """Root: raises on every rank if the ranks ran different units in this
+        forward so far (``gathering``: the unit about to gather outside a plan;
+        None: the forward is done). See [Note: ranks that run different units]."""
+        if self.forward_plan is not None:
+            self.forward_plan.issue_rest()
+        index = self._state_index
+        order = [index[id(s)] for s in self.forward_order]
+        if gathering is not None:
+            order.append(index[id(gathering)])
+        n = len(self.all_states)
+        digest = 0  # the whole order, where it is longer than n (units run again under no_grad)
+        if len(order) > n:
+            for i in order:
+                digest = (digest * 1000003 + i + 1) % (1 << 50)
+        row = [float(gathering is None), float(len(order)), float(digest)] + [float(i) for i in order[:n]]
+        row += [-1.0] * (n + 3 - len(row))
+        rows = collectives.all_gather_small(self.transport, torch.tensor(row, dtype=torch.float64)).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        raise RuntimeError(self._describe_orders(rows))
+
+    def _describe_orders(self, rows: list[list[float]]) -> str:
+        def name(i: int) -> str:
+            label = self.all_states[i].param_group.label
+            return repr(label) if label else f"'' (the root, {type(self.module).__name__})"
+
+        orders = [[int(i) for i in r[3:] if i >= 0] for r in rows]
+        ran = [set(o) for o in orders]
+        everywhere = set.intersection(*ran)
+        differing = []
+        for i in sorted(set.union(*ran) - everywhere):
+            on = [q for q, units in enumerate(ran) if i in units]
+            off = [q for q, units in enumerate(ran) if i not in units]
+            differing.append(f"{name(i)} ran on rank{'s' * (len(on) > 1)} {', '.join(map(str, on))} and not on "
+                             f"rank{'s' * (len(off) > 1)} {', '.join(map(str, off))}")
+        what = "; ".join(differing) if differing else "the same units ran in different orders"
+        listing = "; ".join(f"rank {q}: " + ", ".join(name(i) for i in o) + (" (forward done)" if r[0] else " ...")
+                            for q, (r, o) in enumerate(zip(rows, orders)))
+        return (
+            f"pydist FSDP: the ranks ran different fully_shard'ed units in this forward of "
+            f"{type(self.module).__name__}: {what}. Units so far: {listing}. Their all-gathers and reduce-scatters "
+            "would pair one unit's with another's (torch's FSDP2 aborts on gloo or hangs there): every rank must run "
+            "the same units in the same order. Run the unit on every rank (e.g. on an empty input, as mixture-of-"
+            "experts layers do), or fully_shard a module that runs on every rank instead of the one that does not"
+        )
+
     # --- hooks ----------------------------------------------------------------
 
     # [Note: the hooks' fast path]
@@ -364,6 +440,8 @@ class FSDPState:
                 pg.gathered_ahead = False
                 pg.training_state = _FORWARD
                 if pg.sharded_state is not _UNSHARDED:
+                    if pg.sharded_state is _SHARDED:  # no plan gathered it
+                        root.check_forward_order(self)
                     pg.wait_for_unshard("forward")
                 root.forward_order.append(self)
                 return self._join_or_register_post_backward(root, args, kwargs)
@@ -403,6 +481,8 @@ class FSDPState:
         if root.forward_plan is not None:
             root.forward_plan.need(self)
         pg.gathered_ahead = False  # its forward came
+        if pg.sharded_state is _SHARDED:  # no plan gathered it
+            root.check_forward_order(self)
         pg.pre_forward()
         root.forward_order.append(self)
         for target in self.forward_prefetch:
@@ -448,6 +528,7 @@ class FSDPState:
                 reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
                 pg.post_forward(reshard)
             if self.is_root:
+                self.check_forward_order(None)
                 self._forward_open = False
                 self._last_hooked = self._last_hook = None
                 for state in self.all_states:  # gathered ahead for a forward that did not come
@@ -574,6 +655,22 @@ class GatherPlan:
         self.phase = phase  # "forward" or "backward": records name the collectives by it
         self.cursor = 0  # every unit before it has been considered for a batch
         self.heads: set[int] = set()  # first units of batches issued ahead: starting one issues the next
+        # Forward only: the batches, cut now from the units' states at the
+        # root's pre-forward (the same on every rank), issued in this order
+        # whichever units run; each unit's batch; how many are issued. See
+        # [Note: ranks that run different units].
+        self.batches: list[list[int]] | None = None
+        self.batch_of: dict[int, int] = {}
+        self.issued = 0
+        if phase == "forward":
+            self.batches = []
+            start = 0
+            while start < len(self.states):
+                members, start = self._cut(start)
+                if members:
+                    for k in members:
+                        self.batch_of[k] = len(self.batches)
+                    self.batches.append(members)
 
     def need(self, state: FSDPState) -> None:
         """``state``'s unit is about to compute: gathers its batch if it has
@@ -582,36 +679,67 @@ class GatherPlan:
         i = self.position.get(id(state))
         if i is None:
             return  # not in the plan: the unit gathers alone
+        if self.batches is not None:
+            b = self.batch_of.get(i, -1)
+            while self.issued <= b:  # with the batches of units this rank skipped before it
+                self._issue_batch(self.phase)
+            if id(state) in self.heads:
+                self.heads.discard(id(state))
+                if self.issued < len(self.batches):
+                    self._issue_batch(self.phase + "_prefetch")
+            return
         if state.param_group.sharded_state == ShardedState.SHARDED:
             self._issue(i, self.phase)
         if id(state) in self.heads:
             self.heads.discard(id(state))
             self._issue(self.cursor, self.phase + "_prefetch")
 
-    def _issue(self, start: int, phase: str) -> None:
-        """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
-        members: list[FSDPParamGroup] = []
-        head = -1
+    def issue_rest(self) -> None:
+        """Forward: issues the batches not issued yet (of units this rank
+        skipped at the end). See [Note: ranks that run different units]."""
+        while self.batches is not None and self.issued < len(self.batches):
+            self._issue_batch(self.phase)
+
+    def _issue_batch(self, phase: str) -> None:
+        """Issues the next forward batch (its units still SHARDED)."""
+        members = [k for k in self.batches[self.issued]
+                   if self.states[k].param_group.sharded_state == ShardedState.SHARDED]
+        self.issued += 1
+        self._gather(members, phase)
+
+    def _cut(self, start: int) -> tuple[list[int], int]:
+        """(the SHARDED units from ``start`` on, up to batch_bytes, that batch
+        with the first; where the walk stopped)."""
+        members: list[int] = []
         nbytes = 0
         k = start
         while k < len(self.states):
             pg = self.states[k].param_group
             if pg.sharded_state == ShardedState.SHARDED and pg.training_state != TrainingState.POST_BACKWARD:
                 size = pg.unsharded_nbytes
-                if members and (nbytes + size > self.batch_bytes or not members[0].batches_with(pg)):
+                if members and (nbytes + size > self.batch_bytes
+                                or not self.states[members[0]].param_group.batches_with(pg)):
                     break
-                if not members:
-                    head = k
-                members.append(pg)
+                members.append(k)
                 nbytes += size
             k += 1
+        return members, k
+
+    def _issue(self, start: int, phase: str) -> None:
+        """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
+        members, k = self._cut(start)
         self.cursor = max(self.cursor, k)
+        self._gather(members, phase)
+
+    def _gather(self, members: list[int], phase: str) -> None:
+        """Starts the all-gather of the units at ``members`` (plan positions) as one collective."""
         if not members:
             return
-        for pg in members:
+        groups = [self.states[k].param_group for k in members]
+        for pg in groups:
             pg.gathered_ahead = True
-        self.heads.add(id(self.states[head]))
-        unshard_units(members, phase)
+        self.heads.add(id(self.states[members[0]]))
+        unshard_units(groups, phase)
 
 
 def _cast_floating(tree, dtype: torch.dtype):
