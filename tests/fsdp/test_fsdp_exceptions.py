@@ -87,10 +87,13 @@ FAILING_STEP = 1
 def _train(rank, world_size, impl, where, then, shm=None):
     """Four steps of SGD with momentum; step FAILING_STEP raises in ``where``
     ("forward" or "backward"; "skip": its batch is drawn and nothing runs),
-    and ``then`` (pydist only: "reshard", "load_state_dict") runs after it."""
+    and ``then`` (pydist only: "reshard", "load_state_dict") runs after it
+    ("unbatched": no collective batching)."""
     import pydist
 
     model = _build(impl, world_size, shm)
+    if impl == "pydist" and then == "unbatched":  # each unit gathers and reduces alone: one in flight at the failure
+        model.set_collective_batch_bytes(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     errors, before, left = [], None, []
@@ -149,7 +152,7 @@ def _assert_same(results, raised_in):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where,then,shm", [("forward", "next_forward", None), ("forward", "next_forward", False),
                                             ("forward", "reshard", None), ("forward", "load_state_dict", None),
-                                            ("second_micro_batch", "next_forward", None)])
+                                            ("forward", "unbatched", False), ("second_micro_batch", "next_forward", None)])
 def test_forward_that_raised_then_trains_bitwise_torch_fsdp2(where, then, shm):
     """second_micro_batch: a micro-batch trains, the next raises in forward,
     the loop steps the optimizer on the first one's gradients: the next
@@ -161,7 +164,8 @@ def test_forward_that_raised_then_trains_bitwise_torch_fsdp2(where, then, shm):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("then,shm", [("next_forward", None), ("next_forward", False), ("load_state_dict", None)])
+@pytest.mark.parametrize("then,shm", [("next_forward", None), ("next_forward", False), ("unbatched", None),
+                                      ("unbatched", False), ("load_state_dict", None)])
 def test_backward_that_raised_then_trains_as_torch_fsdp2_without_that_iteration(then, shm):
     _assert_same(run_ranks(_compare, 2, args=("backward", then, shm), timeout=110), "backward")
 
