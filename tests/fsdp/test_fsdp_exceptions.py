@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from pydist.spawn import run_ranks
+from test_fsdp_training_changes import _full
 
 
 class Fails(torch.autograd.Function):
@@ -71,14 +72,6 @@ def _build(impl: str, world_size: int, shm):
     for block in model.blocks:
         shard(block, **kwargs)
     return shard(model, **kwargs)
-
-
-def _full(impl: str, model) -> dict:
-    import pydist
-
-    if impl == "torch":
-        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    return {k: v.clone() for k, v in pydist.fsdp.full_state_dict(model).items()}
 
 
 FAILING_STEP = 1
