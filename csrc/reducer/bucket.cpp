@@ -89,6 +89,8 @@ void reset_for_iteration(Bucket& bucket) {
 
 void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const std::vector<int64_t>& numels,
                      const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel, double scale) {
+  // Checked before the complex branch, which builds one numel per gradient.
+  TORCH_CHECK(grads.size() == numels.size(), "pack_rank_major: ", grads.size(), " grads but ", numels.size(), " numels");
   if (out.is_complex()) {
     // As interleaved real and imaginary parts: every length doubles, and
     // scaling each part by a real scale is the complex product.
@@ -98,7 +100,7 @@ void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const 
       const bool present = grads[i].has_value() && grads[i]->defined();
       parts.emplace_back(present && grads[i]->is_complex() ? std::optional<at::Tensor>(at::view_as_real(*grads[i]).view(-1))
                                                            : grads[i]);
-      part_numels.push_back(i < numels.size() ? 2 * numels[i] : 0);
+      part_numels.push_back(2 * numels[i]);
     }
     pack_rank_major(parts, part_numels, at::view_as_real(out).view(-1), world_size, 2 * column, 2 * shard_numel, scale);
     return;
@@ -107,7 +109,6 @@ void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const 
               "pack_rank_major: out must be a contiguous 1-D CPU tensor, got ", out.sizes(), " on ", out.device());
   TORCH_CHECK(world_size >= 1 && out.numel() % world_size == 0, "pack_rank_major: out has ", out.numel(),
               " elements, not world_size (", world_size, ") rows");
-  TORCH_CHECK(grads.size() == numels.size(), "pack_rank_major: ", grads.size(), " grads but ", numels.size(), " numels");
   const int64_t row = out.numel() / world_size;
   TORCH_CHECK(shard_numel >= 0 && column >= 0 && column + shard_numel <= row, "pack_rank_major: column ", column,
               " + shard_numel ", shard_numel, " does not fit a row of ", row);

@@ -612,6 +612,25 @@ class FSDPParamGroup:
             self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
             self._all_trainable = len(self._trainable) == len(self.fsdp_params)
 
+    def abandon_iteration(self) -> None:
+        """After an iteration raised (see [Note: an iteration that raised] in
+        _fsdp_state.py): waits for what this unit has in flight, drops the
+        gradients it has not reduced, reshards and goes back to IDLE. The
+        shards' ``.grad`` (reduced by earlier backwards) are left as they are."""
+        reduce, self._reduce = self._reduce, None
+        if reduce is not None:
+            reduce.future.wait()  # every rank issued it; its result is the failed backward's
+        self.grad_batch = None
+        self.gathered_ahead = False
+        self.had_grad = None
+        self._accumulating = False
+        for fp in self.fsdp_params:
+            fp.accumulated_grad = None
+            if fp.unsharded_param is not None:
+                fp.unsharded_param.grad = None  # NO_SHARD: the parameter the optimizer sees
+        self.reshard()  # waits for an all-gather in flight; gives back a pool slot
+        self.training_state = TrainingState.IDLE
+
     def _hand_out_grads(self, output: torch.Tensor) -> None:
         """``output`` (this rank's reduced shard) split into the shards' ``.grad``."""
         _C.accumulate_into_grads(*self.grads_to_hand_out(output.to(self.dtype).split_with_sizes(self._grad_split)))

@@ -144,6 +144,9 @@ class FSDPState:
         self._recomputing = False  # this forward is a recompute in backward: see _is_recompute
         self.pool: UnshardPool | None = None  # root only: see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
+        # Root only: its pre-forward ran and its post-forward has not yet (a
+        # forward that raised leaves it set). See [Note: an iteration that raised].
+        self._forward_open = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
         # Root only, during its forward: the tensor a unit's post-forward hooked
         # last, and its hook (see [Note: how a unit learns its backward is
@@ -183,6 +186,7 @@ class FSDPState:
                 state.refuse_batch_bytes_off_root(self, name)
         self.is_root = True
         self.all_states = [s for _, s in named]
+        self._state_index = {id(s): i for i, s in enumerate(self.all_states)}  # what check_forward_order sends
         units = {name: s.param_group for name, s in named if s.param_group is not None and s is not self}
         for name, state in named:
             state.root = self
@@ -220,7 +224,58 @@ class FSDPState:
             f"Call it on the root, and set {name!r} back to the default ({DEFAULT_BATCH_BYTES}) or never call it there"
         )
 
+    # [Note: an iteration that raised]
+    # A training loop may catch an exception from forward or backward (a bad
+    # batch, out of memory, a custom Function's backward) and go on with the
+    # next batch. The iteration then stopped in the middle: units left in
+    # FORWARD or PRE_BACKWARD, unsharded (in pool slots), gradients packed
+    # into batches or reduce-scatters in flight, the final callback never
+    # run (autograd runs queued callbacks only when backward succeeds). The
+    # root notices at its next pre-forward, with one check (its forward is
+    # still open, or its final callback still queued, and autograd is not
+    # running: a recompute in backward is neither), and puts every unit back
+    # as between iterations: it waits for every collective in flight (every
+    # rank issued them, as every rank raised at the same place; one that
+    # raised alone has diverged anyway), drops the gradients not yet reduced
+    # (the failed backward's, and those accumulated without sync before it:
+    # they cannot be told apart), reshards, frees the pool and plans the next
+    # forward as a first one. The shards' .grad from earlier backwards are
+    # left to the user's zero_grad. So the loop trains on as if the failed
+    # iteration had not run. torch's FSDP2 does the same after a forward that
+    # raised (bitwise), unless the optimizer steps before the next forward
+    # (a micro-batch raised after another trained): it computes that forward
+    # with the parameters the failed one gathered, before the step. After a
+    # backward that raised, it takes the next forward of a unit left in
+    # PRE_BACKWARD for a recompute and trains on differently. The hooks' fast
+    # path is untouched: the check is on the root's own pre-forward.
+    # ``load_state_dict`` between a failed iteration and the next forward
+    # recovers the same way first (see _state_dict.py).
+
+    def iteration_failed(self) -> bool:
+        """Root: whether its last iteration raised before it finished.
+        See [Note: an iteration that raised]."""
+        return (self._forward_open or self.final_callback_queued) and torch._C._current_graph_task_id() == -1
+
+    def recover_from_failed_iteration(self) -> None:
+        """Root: puts every unit back as between iterations. See [Note: an
+        iteration that raised]."""
+        batches, self.grad_batches = self.grad_batches, []
+        for batch in batches:
+            if batch.future is not None:  # launched: every rank issued it
+                batch.future.wait()
+        for state in self.all_states:
+            state._recomputing = False
+            if state.param_group is not None:
+                state.param_group.abandon_iteration()
+        self._last_hooked = self._last_hook = None
+        self.forward_order = []  # the next forward gathers as a first one
+        self.backward_plan = None
+        self.final_callback_queued = False
+        self._forward_open = False
+        self.pool.release()
+
     def _root_pre_forward(self) -> None:
+        self._forward_open = True
         self.iteration += 1
         if self.forward_plan is not None:
             self.forward_plan.reshard_kept()  # no backward came for them
@@ -302,6 +357,81 @@ class FSDPState:
             pg.take_grads_anywhere(counts[start:end])
             start = end
 
+    # [Note: ranks that run different units]
+    # Every rank must run the same units in the same order: their collectives
+    # are paired by order alone. A rank that skips a unit the others run (a
+    # mixture-of-experts layer routing no token to an expert on one rank, a
+    # branch taken on some ranks) would pair one unit's all-gather with
+    # another's: on shared memory the transport fails every rank at the first
+    # pair that differs in size; on gloo, a size mismatch aborts the process
+    # from gloo's own thread (torch's FSDP2 aborts the same way), and one of
+    # equal size pairs silently. So the root checks, with one small all-gather
+    # (the units run, as indices into all_states), that every rank ran the same
+    # units in the same order, and raises on every rank naming the units that
+    # differ, before any collective of backward:
+    #     at its post-forward, each forward;
+    #     before a unit gathers outside a plan (the first forward, or a unit
+    #     not in last iteration's order), each such unit.
+    # A forward plan (see [Note: gather and reduce plans]) issues the same
+    # batches on every rank whichever of its units a rank skips: a unit
+    # needing its batch past the last one issued first issues the batches
+    # before it (GatherPlan.need), and every check first issues what is left
+    # of the plan (GatherPlan.issue_rest). So every rank reaches a check
+    # having issued the same collectives, and checks pair with checks. Units
+    # gathered for a forward that did not come are resharded at the root's
+    # post-forward, as before. Not covered: set_modules_to_forward_prefetch
+    # targets (gathered when their source runs), and backwards whose graph
+    # differs across ranks for the same units (the order is checked, not the
+    # graph). After the error, the root's next forward recovers (see [Note:
+    # an iteration that raised]) and checks each unit again.
+
+    def check_forward_order(self, gathering: FSDPState | None) -> None:
+        """Root: raises on every rank if the ranks ran different units in this
+        forward so far (``gathering``: the unit about to gather outside a plan;
+        None: the forward is done). See [Note: ranks that run different units]."""
+        if self.forward_plan is not None:
+            self.forward_plan.issue_rest()
+        index = self._state_index
+        order = [index[id(s)] for s in self.forward_order]
+        if gathering is not None:
+            order.append(index[id(gathering)])
+        n = len(self.all_states)
+        digest = 0  # the whole order, where it is longer than n (units run again under no_grad)
+        if len(order) > n:
+            for i in order:
+                digest = (digest * 1000003 + i + 1) % (1 << 50)
+        row = [float(gathering is None), float(len(order)), float(digest)] + [float(i) for i in order[:n]]
+        row += [-1.0] * (n + 3 - len(row))
+        rows = collectives.all_gather_small(self.transport, torch.tensor(row, dtype=torch.float64)).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        raise RuntimeError(self._describe_orders(rows))
+
+    def _describe_orders(self, rows: list[list[float]]) -> str:
+        def name(i: int) -> str:
+            label = self.all_states[i].param_group.label
+            return repr(label) if label else f"'' (the root, {type(self.module).__name__})"
+
+        orders = [[int(i) for i in r[3:] if i >= 0] for r in rows]
+        ran = [set(o) for o in orders]
+        everywhere = set.intersection(*ran)
+        differing = []
+        for i in sorted(set.union(*ran) - everywhere):
+            on = [q for q, units in enumerate(ran) if i in units]
+            off = [q for q, units in enumerate(ran) if i not in units]
+            differing.append(f"{name(i)} ran on rank{'s' * (len(on) > 1)} {', '.join(map(str, on))} and not on "
+                             f"rank{'s' * (len(off) > 1)} {', '.join(map(str, off))}")
+        what = "; ".join(differing) if differing else "the same units ran in different orders"
+        listing = "; ".join(f"rank {q}: " + ", ".join(name(i) for i in o) + (" (forward done)" if r[0] else " ...")
+                            for q, (r, o) in enumerate(zip(rows, orders)))
+        return (
+            f"pydist FSDP: the ranks ran different fully_shard'ed units in this forward of "
+            f"{type(self.module).__name__}: {what}. Units so far: {listing}. Their all-gathers and reduce-scatters "
+            "would pair one unit's with another's (torch's FSDP2 aborts on gloo or hangs there): every rank must run "
+            "the same units in the same order. Run the unit on every rank (e.g. on an empty input, as mixture-of-"
+            "experts layers do), or fully_shard a module that runs on every rank instead of the one that does not"
+        )
+
     # --- hooks ----------------------------------------------------------------
 
     # [Note: the hooks' fast path]
@@ -334,6 +464,8 @@ class FSDPState:
                 pg.gathered_ahead = False
                 pg.training_state = _FORWARD
                 if pg.sharded_state is not _UNSHARDED:
+                    if pg.sharded_state is _SHARDED:  # no plan gathered it
+                        root.check_forward_order(self)
                     pg.wait_for_unshard("forward")
                 root.forward_order.append(self)
                 return self._join_or_register_post_backward(root, args, kwargs)
@@ -341,6 +473,8 @@ class FSDPState:
             self._lazy_init()
         root = self.root
         pg = self.param_group
+        if self.is_root and self.iteration_failed():
+            self.recover_from_failed_iteration()
         self._recomputing = self._is_recompute()
         if self._recomputing:
             # Activation checkpointing recomputing the forward in backward:
@@ -371,6 +505,8 @@ class FSDPState:
         if root.forward_plan is not None:
             root.forward_plan.need(self)
         pg.gathered_ahead = False  # its forward came
+        if pg.sharded_state is _SHARDED:  # no plan gathered it
+            root.check_forward_order(self)
         pg.pre_forward()
         root.forward_order.append(self)
         for target in self.forward_prefetch:
@@ -416,6 +552,8 @@ class FSDPState:
                 reshard = pg.reshard_after_forward and (not self.is_root or not torch.is_grad_enabled())
                 pg.post_forward(reshard)
             if self.is_root:
+                self.check_forward_order(None)
+                self._forward_open = False
                 self._last_hooked = self._last_hook = None
                 for state in self.all_states:  # gathered ahead for a forward that did not come
                     if state.param_group is not None and state.param_group.gathered_ahead:
@@ -543,6 +681,22 @@ class GatherPlan:
         self.cursor = 0  # every unit before it has been considered for a batch
         self.heads: set[int] = set()  # first units of batches issued ahead: starting one issues the next
         self.kept: list[FSDPParamGroup] = []  # forward: the last batch, left unsharded for backward
+        # Forward only: the batches, cut now from the units' states at the
+        # root's pre-forward (the same on every rank), issued in this order
+        # whichever units run; each unit's batch; how many are issued. See
+        # [Note: ranks that run different units].
+        self.batches: list[list[int]] | None = None
+        self.batch_of: dict[int, int] = {}
+        self.issued = 0
+        if phase == "forward":
+            self.batches = []
+            start = 0
+            while start < len(self.states):
+                members, start = self._cut(start)
+                if members:
+                    for k in members:
+                        self.batch_of[k] = len(self.batches)
+                    self.batches.append(members)
 
     def start(self) -> None:
         """Backward, at its first hook: when the first units are unsharded
@@ -567,46 +721,80 @@ class GatherPlan:
         i = self.position.get(id(state))
         if i is None:
             return  # not in the plan: the unit gathers alone
+        if self.batches is not None:
+            b = self.batch_of.get(i, -1)
+            while self.issued <= b:  # with the batches of units this rank skipped before it
+                self._issue_batch(self.phase)
+            if id(state) in self.heads:
+                self.heads.discard(id(state))
+                if self.issued < len(self.batches):
+                    self._issue_batch(self.phase + "_prefetch")
+            return
         if state.param_group.sharded_state == ShardedState.SHARDED:
             self._issue(i, self.phase)
         if id(state) in self.heads:
             self.heads.discard(id(state))
             self._issue(self.cursor, self.phase + "_prefetch")
 
-    def _issue(self, start: int, phase: str) -> None:
-        """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
-        members: list[FSDPParamGroup] = []
-        head = -1
+    def issue_rest(self) -> None:
+        """Forward: issues the batches not issued yet (of units this rank
+        skipped at the end). See [Note: ranks that run different units]."""
+        while self.batches is not None and self.issued < len(self.batches):
+            self._issue_batch(self.phase)
+
+    def _issue_batch(self, phase: str) -> None:
+        """Issues the next forward batch (its units still SHARDED)."""
+        members = [k for k in self.batches[self.issued]
+                   if self.states[k].param_group.sharded_state == ShardedState.SHARDED]
+        self.issued += 1
+        self._gather(members, phase)
+        if self.issued == len(self.batches) and members and torch.is_grad_enabled():
+            self._keep_for_backward([self.states[k].param_group for k in members])
+
+    def _keep_for_backward(self, groups: list[FSDPParamGroup]) -> None:
+        """The forward's last batch is the backward's first: it stays
+        unsharded, unless a unit around one of its members is outside it
+        (that unit's backward begins first and would gather the next batch
+        while the kept one still holds its slot)."""
+        ids = {id(pg) for pg in groups}
+        if all(pg.enclosing is None or id(pg.enclosing) in ids for pg in groups):
+            self.kept = [pg for pg in groups if pg.reshard_after_forward and not pg.is_root]
+            for pg in self.kept:
+                pg.keep_for_backward = True
+
+    def _cut(self, start: int) -> tuple[list[int], int]:
+        """(the SHARDED units from ``start`` on, up to batch_bytes, that batch
+        with the first; where the walk stopped)."""
+        members: list[int] = []
         nbytes = 0
         k = start
         while k < len(self.states):
             pg = self.states[k].param_group
             if pg.sharded_state == ShardedState.SHARDED and pg.training_state != TrainingState.POST_BACKWARD:
                 size = pg.unsharded_nbytes
-                if members and (nbytes + size > self.batch_bytes or not members[0].batches_with(pg)):
+                if members and (nbytes + size > self.batch_bytes
+                                or not self.states[members[0]].param_group.batches_with(pg)):
                     break
-                if not members:
-                    head = k
-                members.append(pg)
+                members.append(k)
                 nbytes += size
             k += 1
+        return members, k
+
+    def _issue(self, start: int, phase: str) -> None:
+        """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
+        members, k = self._cut(start)
         self.cursor = max(self.cursor, k)
+        self._gather(members, phase)
+
+    def _gather(self, members: list[int], phase: str) -> None:
+        """Starts the all-gather of the units at ``members`` (plan positions) as one collective."""
         if not members:
             return
-        for pg in members:
+        groups = [self.states[k].param_group for k in members]
+        for pg in groups:
             pg.gathered_ahead = True
-        self.heads.add(id(self.states[head]))
-        unshard_units(members, phase)
-        if self.phase == "forward" and k == len(self.states) and torch.is_grad_enabled():
-            # The forward's last batch is the backward's first: it stays
-            # unsharded, unless a unit around one of its members is outside
-            # it (that unit's backward begins first and would gather the next
-            # batch while the kept one still holds its slot).
-            ids = {id(pg) for pg in members}
-            if all(pg.enclosing is None or id(pg.enclosing) in ids for pg in members):
-                self.kept = [pg for pg in members if pg.reshard_after_forward and not pg.is_root]
-                for pg in self.kept:
-                    pg.keep_for_backward = True
+        self.heads.add(id(self.states[members[0]]))
+        unshard_units(groups, phase)
 
 
 def _cast_floating(tree, dtype: torch.dtype):

@@ -295,9 +295,13 @@ class _UnitStateDictHooks:
         if pg is None:
             return
         if pg.sharded_state != ShardedState.SHARDED:
+            root = state_of(module).root
+            if pg.training_state != TrainingState.IDLE and root is not None and root.iteration_failed():
+                root.recover_from_failed_iteration()  # see [Note: an iteration that raised] in _fsdp_state.py
             if pg.training_state != TrainingState.IDLE:
-                raise RuntimeError(f"pydist load_state_dict: unit {pg.label!r} is in {pg.training_state.name}; "
-                                   "load between iterations")
+                where = f"{pg.label!r}" if pg.label else f"'' (the root, {type(module).__name__})"
+                raise RuntimeError(f"pydist load_state_dict: unit {where} is in {pg.training_state.name} (its "
+                                   "forward or backward is running); load between iterations")
             pg.reshard()  # the shards are what loads; a later unshard gathers the new values
         for fp, key in self._entries(pg, prefix):
             if key in state_dict:

@@ -46,7 +46,8 @@ def wrap(name: str, inner: Transport, **options: float) -> Transport:
 
 
 def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool | None = True,
-             owner: str = "pydist.transport.open_shm", keyword: str = "wanted") -> ShmTransport | None:
+             owner: str = "pydist.transport.open_shm", keyword: str = "wanted",
+             collectives: str = "all-reduce") -> ShmTransport | None:
     """Collective over ``group`` (default: the world): this rank's end of a
     shared-memory transport, every rank passing the same ``wanted``.
 
@@ -56,13 +57,14 @@ def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool 
     the group; False returns None. Ranks passing different values raise,
     every one of them, naming each rank's value. Errors name ``owner`` and
     its ``keyword`` (e.g. ``DistributedDataParallel`` and ``shm_allreduce``),
-    since the caller's keyword is what the user sets."""
+    since the caller's keyword is what the user sets, and the ``collectives``
+    it would run (e.g. "all-gather and reduce-scatter" for a sharded wrapper)."""
     import torch.distributed as dist
 
     group = group if group is not None else dist.group.WORLD
     params = params if params is not None else [torch.zeros(1)]
     world_size = dist.get_world_size(group)
-    why_not = _why_not_shm_here(params, world_size) if wanted is not False else None
+    why_not = _why_not_shm_here(params, world_size, collectives) if wanted is not False else None
     verdicts: list = [None] * world_size
     dist.all_gather_object(verdicts, (wanted, why_not), group=group)
     if len({w for w, _ in verdicts}) > 1:
@@ -80,21 +82,21 @@ def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool 
         refusals = [failure]
     if wanted:
         raise RuntimeError(
-            f"{owner}({keyword}=True): this group cannot all-reduce through shared memory ("
+            f"{owner}({keyword}=True): this group cannot {collectives} through shared memory ("
             + "; ".join(refusals)
             + f"). Pass {keyword}=None to fall back to the process group."
         )
     return None
 
 
-def _why_not_shm_here(params: list[torch.Tensor], world_size: int) -> str | None:
+def _why_not_shm_here(params: list[torch.Tensor], world_size: int, collectives: str = "all-reduce") -> str | None:
     """What keeps this rank off the shared-memory transport, or None."""
     import sys
 
     if not sys.platform.startswith("linux"):
         return f"the shared-memory transport is Linux-only (this is {sys.platform})"
     if world_size < 2:
-        return "a group of one rank has nothing to all-reduce"
+        return f"a group of one rank has nothing to {collectives}"
     for p in params:
         if p.device.type != "cpu":
             return f"a parameter is on {p.device} (the transport carries CPU tensors)"

@@ -110,3 +110,6 @@ def _require_shm(rank, world_size):
 def test_shm_required_refuses_a_complex_unit_on_every_rank():
     for rank, message in enumerate(run_ranks(_require_shm, 2, timeout=100)):
         assert message is not None and "complex64" in message and "shm" in message, f"rank {rank}: {message}"
+        # it names the collectives a sharded unit runs, not DDP's
+        assert "cannot all-gather and reduce-scatter through shared memory" in message, f"rank {rank}: {message}"
+        assert "all-reduce" not in message, f"rank {rank}: {message}"

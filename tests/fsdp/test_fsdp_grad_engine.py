@@ -60,6 +60,13 @@ def test_pack_rank_major_refuses_what_it_cannot_pack():
         _C.pack_rank_major([torch.zeros(3)], [3], out, 2, 1, 4)
     with pytest.raises(RuntimeError, match="not world_size"):
         _C.pack_rank_major([torch.zeros(3)], [3], torch.empty(7), 2, 0, 3)
+    # complex (packed as real and imaginary parts): a gradient without its
+    # numel, or a numel without its gradient, is refused there too
+    cout = torch.empty(8, dtype=torch.cfloat)
+    with pytest.raises(RuntimeError, match="2 grads but 1 numels"):
+        _C.pack_rank_major([torch.zeros(3, dtype=torch.cfloat), torch.zeros(1, dtype=torch.cfloat)], [3], cout, 2, 0, 4)
+    with pytest.raises(RuntimeError, match="1 grads but 2 numels"):
+        _C.pack_rank_major([torch.zeros(3, dtype=torch.cfloat)], [3, 1], cout, 2, 0, 4)
 
 
 def test_accumulate_into_grads_sets_then_adds():
