@@ -27,7 +27,9 @@ within a run mean anything on these machines):
     pydist_ddp  pydist.DistributedDataParallel
 
 "paired" is the median over rounds of a mode's step / torch FSDP2's within a
-round, "vs fsdp1" the same against torch FSDP1's.
+round, "vs fsdp1" the same against torch FSDP1's, and the line under each
+table the same for pydist.fully_shard against pydist DDP. Every other round
+runs the modes in reverse order.
 Persistent bytes are the distinct storages of the parameters, their
 gradients and Adam's state on one rank after a step (torch: the DTensors'
 local tensors); "ideal" is 16 Psi / N. Padding is the elements a rank's
@@ -179,8 +181,13 @@ def _time_rank(rank, world_size, model_key, rounds, steps):
         for _ in range(2):
             fn()
     times = {mode: [] for mode in MODES}
-    for _ in range(rounds):
-        for mode, fn in steps_fn.items():
+    for i in range(rounds):
+        # Every other round in reverse (A B .. B A): a mode that runs late in
+        # one round runs early in the next, so whatever a position costs (the
+        # heap and caches the mode before it leaves, drift over the round)
+        # falls on every mode alike and cancels in the per-round ratios.
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+            fn = steps_fn[mode]
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -235,6 +242,8 @@ def run(model_key: str, world_size: int, rounds: int, steps: int) -> dict:
     for m in MODES:
         out[f"{m}_paired"] = statistics.median(p / t for p, t in zip(slower[m], slower["torch"]))
         out[f"{m}_paired_fsdp1"] = statistics.median(p / t for p, t in zip(slower[m], slower["torch_fsdp1"]))
+    for m in ("pydist", "pydist_pg"):  # issue #14's second step-time target
+        out[f"{m}_paired_pydist_ddp"] = statistics.median(p / t for p, t in zip(slower[m], slower["pydist_ddp"]))
     return out
 
 
@@ -274,6 +283,8 @@ def main() -> None:
             paired1 = f"{r[m + '_paired_fsdp1']:.2f}" if m != "torch_fsdp1" else "-"
             print(f"{m:<11} {r[m + '_ms']:>9.1f} {ratio:>9.2f} {paired:>7} {paired1:>8} {r[m + '_persistent_MB']:>12.2f} "
                   f"{r[m + '_padding_elems']:>8.0f} {r[m + '_peak_rss_MB']:>12.1f}")
+        print(f"pydist.fully_shard / pydist DDP, paired per round: {r['pydist_paired_pydist_ddp']:.2f} (shm), "
+              f"{r['pydist_pg_paired_pydist_ddp']:.2f} (gloo)")
 
 
 if __name__ == "__main__":
