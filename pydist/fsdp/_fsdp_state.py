@@ -161,6 +161,10 @@ class FSDPState:
         self.batch_bytes = DEFAULT_BATCH_BYTES
         self.forward_plan: GatherPlan | None = None
         self.backward_plan: GatherPlan | None = None
+        self._last_backward_plan: GatherPlan | None = None  # what the next backward plan may reuse
+        # Root only: the order check_forward_order last sent for a whole forward, and its row.
+        self._checked_order: list[FSDPState] | None = None
+        self._checked_row: torch.Tensor | None = None
         self.grad_batches: list[GradBatch] = []
         self.late_posters: set[int] = set()
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -279,7 +283,8 @@ class FSDPState:
         self.iteration += 1
         if self.forward_plan is not None:
             self.forward_plan.reshard_kept()  # no backward came for them
-        self.forward_plan = GatherPlan(self.forward_order, self.batch_bytes, "forward") if self.forward_order else None
+        self.forward_plan = (GatherPlan(self.forward_order, self.batch_bytes, "forward", self.forward_plan)
+                             if self.forward_order else None)
         self.backward_plan = None
         self.forward_order = []
         self.final_callback_queued = False
@@ -391,6 +396,20 @@ class FSDPState:
         None: the forward is done). See [Note: ranks that run different units]."""
         if self.forward_plan is not None:
             self.forward_plan.issue_rest()
+        if gathering is None and self._checked_order == self.forward_order:
+            row = self._checked_row  # a whole forward, the same units as last time: the same row
+        else:
+            row = self._order_row(gathering)
+            if gathering is None:
+                self._checked_order, self._checked_row = list(self.forward_order), row
+        rows = collectives.all_gather_small(self.transport, row).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        raise RuntimeError(self._describe_orders(rows))
+
+    def _order_row(self, gathering: FSDPState | None) -> torch.Tensor:
+        """What check_forward_order sends: [done, length, digest, the units
+        run (indices into all_states), -1 padding]."""
         index = self._state_index
         order = [index[id(s)] for s in self.forward_order]
         if gathering is not None:
@@ -402,10 +421,7 @@ class FSDPState:
                 digest = (digest * 1000003 + i + 1) % (1 << 50)
         row = [float(gathering is None), float(len(order)), float(digest)] + [float(i) for i in order[:n]]
         row += [-1.0] * (n + 3 - len(row))
-        rows = collectives.all_gather_small(self.transport, torch.tensor(row, dtype=torch.float64)).tolist()
-        if all(r == rows[0] for r in rows):
-            return
-        raise RuntimeError(self._describe_orders(rows))
+        return torch.tensor(row, dtype=torch.float64)
 
     def _describe_orders(self, rows: list[list[float]]) -> str:
         def name(i: int) -> str:
@@ -616,7 +632,8 @@ class FSDPState:
     def _plan_backward(self) -> None:
         """Root, at the first backward hook: the backward gather plan and the
         reduce batches. See [Note: gather and reduce plans]."""
-        self.backward_plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward")
+        self.backward_plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward", self._last_backward_plan)
+        self._last_backward_plan = self.backward_plan
         self.backward_plan.start()
         self.grad_batches = []
         run: list[FSDPParamGroup] = []
@@ -668,14 +685,8 @@ class GatherPlan:
     """The units in the order they are expected to need their parameters,
     gathered in batches one batch ahead. See [Note: gather and reduce plans]."""
 
-    def __init__(self, order: list[FSDPState], batch_bytes: int, phase: str):
-        seen: set[int] = set()
-        self.states = []  # the units, each at its first place in ``order``
-        for s in order:
-            if s.param_group is not None and id(s) not in seen:
-                seen.add(id(s))
-                self.states.append(s)
-        self.position = {id(s): i for i, s in enumerate(self.states)}
+    def __init__(self, order: list[FSDPState], batch_bytes: int, phase: str, last: GatherPlan | None = None):
+        self.order = order
         self.batch_bytes = batch_bytes
         self.phase = phase  # "forward" or "backward": records name the collectives by it
         self.cursor = 0  # every unit before it has been considered for a batch
@@ -688,6 +699,30 @@ class GatherPlan:
         self.batches: list[list[int]] | None = None
         self.batch_of: dict[int, int] = {}
         self.issued = 0
+        if (last is not None and last.reusable and last.phase == phase and last.batch_bytes == batch_bytes
+                and last.order == order):
+            # The units of last iteration's plan in the same order: its
+            # layout, which nothing changes once cut, saves a walk over every
+            # unit per phase. Every rank decides alike: the orders are the
+            # same on every rank (see [Note: ranks that run different units]).
+            self.states, self.position = last.states, last.position
+            self.batches, self.batch_of = last.batches, last.batch_of
+            self.reusable = True
+            return
+        seen: set[int] = set()
+        self.states = []  # the units, each at its first place in ``order``
+        for s in order:
+            if s.param_group is not None and id(s) not in seen:
+                seen.add(id(s))
+                self.states.append(s)
+        self.position = {id(s): i for i, s in enumerate(self.states)}
+        # Whether the next plan of the same order may take this one's layout:
+        # a backward plan's is the units alone; a forward plan's batches are
+        # cut from the SHARDED units, so only when every unit was (a unit
+        # left unsharded now would stay out of every batch after; a unit
+        # unsharded at a later cut is left out of its batch at the issue).
+        self.reusable = phase != "forward" or all(s.param_group.sharded_state is ShardedState.SHARDED
+                                                  for s in self.states)
         if phase == "forward":
             self.batches = []
             start = 0
