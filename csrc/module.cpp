@@ -171,8 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_param_grads", &pydist::pack_param_grads, py::arg("params"), py::arg("numels"), py::arg("out"),
         py::arg("world_size"), py::arg("column"), py::arg("shard_numel"), py::arg("scale") = 1.0,
         "pack_rank_major of params' .grads (cast and made contiguous where needed), then clears them; returns which had one");
-  m.def("accumulate_into_grads", &pydist::accumulate_into_grads, py::arg("params"), py::arg("grads"),
-        "Each grads[i] becomes params[i].grad, or is added to it");
+  m.def("hand_out_grads", &pydist::hand_out_grads, py::arg("output"), py::arg("params"), py::arg("offsets"),
+        "Each params[i].grad becomes output[offsets[i]:][:numel] in its shape, or that is added to it");
   m.def("point_storage_into", &pydist::point_storage_into, py::arg("buffer"), py::arg("slot"), py::arg("offset_bytes"),
         "Points buffer's empty storage at slot's bytes from offset_bytes on, without owning them");
   m.def("point_storage_at_nothing", &pydist::point_storage_at_nothing, py::arg("buffer"),

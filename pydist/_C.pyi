@@ -191,8 +191,9 @@ def pack_param_grads(
     dtype and made contiguous where it is not; None: zeros), then clears
     them. Returns, per parameter, whether it had a ``.grad``."""
 
-def accumulate_into_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    """Each ``grads[i]`` becomes ``params[i].grad`` (viewed in its shape), or is added to the one it has."""
+def hand_out_grads(output: torch.Tensor, params: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    """Each ``params[i].grad`` becomes ``output[offsets[i]:offsets[i] + params[i].numel()]``
+    (1-D, contiguous, in its dtype) viewed in its shape, or that is added to the one it has."""
 
 def point_storage_into(buffer: torch.Tensor, slot: torch.Tensor, offset_bytes: int) -> None:
     """Points ``buffer``'s storage (holding no memory) at ``slot``'s bytes from

@@ -180,19 +180,30 @@ std::vector<bool> pack_param_grads(const std::vector<at::Tensor>& params, const 
   return had;
 }
 
-void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
-  TORCH_CHECK(params.size() == grads.size(), "accumulate_into_grads: ", params.size(), " params but ", grads.size(),
-              " grads");
+void hand_out_grads(const at::Tensor& output, const std::vector<at::Tensor>& params,
+                    const std::vector<int64_t>& offsets) {
+  TORCH_CHECK(params.size() == offsets.size(), "hand_out_grads: ", params.size(), " params but ", offsets.size(),
+              " offsets");
+  TORCH_CHECK(output.dim() == 1 && output.is_contiguous(), "hand_out_grads: output must be 1-D and contiguous, got ",
+              output.sizes());
   at::NoGradGuard no_grad;
+  std::vector<int64_t> strides;
   for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].numel() == grads[i].numel() && params[i].scalar_type() == grads[i].scalar_type(),
-                "accumulate_into_grads: grads[", i, "] is ", grads[i].scalar_type(), grads[i].sizes(),
-                ", its parameter ", params[i].scalar_type(), params[i].sizes());
-    at::Tensor& grad = params[i].mutable_grad();
+    const at::Tensor& param = params[i];
+    TORCH_CHECK(param.scalar_type() == output.scalar_type() && offsets[i] >= 0 &&
+                    offsets[i] + param.numel() <= output.numel(),
+                "hand_out_grads: params[", i, "] (", param.scalar_type(), param.sizes(), ") at offset ", offsets[i],
+                " does not fit the output (", output.scalar_type(), ", ", output.numel(), " elements)");
+    // One view per parameter, straight off the output: its contiguous strides.
+    const int64_t dims = param.dim();
+    strides.assign(dims, 1);
+    for (int64_t d = dims - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(param.size(d + 1), 1);
+    at::Tensor piece = output.as_strided(param.sizes(), strides, output.storage_offset() + offsets[i]);
+    at::Tensor& grad = param.mutable_grad();
     if (grad.defined()) {
-      grad.add_(grads[i]);
+      grad.add_(piece);
     } else {
-      grad = grads[i].view(params[i].sizes());
+      grad = std::move(piece);
     }
   }
 }

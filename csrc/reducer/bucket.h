@@ -117,11 +117,13 @@ std::vector<bool> pack_param_grads(const std::vector<at::Tensor>& params, const 
                                    const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel,
                                    double scale);
 
-// For each i, grads[i] becomes params[i]'s .grad, or is added to the .grad it
-// has (grad mode off). Requires grads[i] to match params[i] in shape, dtype
-// and device (the caller made it so; unchecked per element beyond that).
-// Called by pydist/fsdp's finalize, once per reduce-scatter.
-void accumulate_into_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
+// For each i, output[offsets[i], offsets[i] + params[i].numel()), viewed in
+// params[i]'s shape, becomes its .grad, or is added to the .grad it has (grad
+// mode off). One view made per parameter, no copy. Called by pydist/fsdp's
+// finalize, once per reduce-scatter, with the reduced output in the
+// parameters' dtype.
+void hand_out_grads(const at::Tensor& output, const std::vector<at::Tensor>& params,
+                    const std::vector<int64_t>& offsets);
 
 // --- a sharded unit's unsharded buffer in a pool slot (pydist/fsdp) --------------
 //

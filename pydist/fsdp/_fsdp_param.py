@@ -74,8 +74,8 @@ class FSDPParam:
         # backwards so far, summed in the reduce dtype (as torch's FSDP2 keeps
         # them) until a backward with sync reduces them. None otherwise.
         self.accumulated_grad: torch.Tensor | None = None
-        # Its place in its unit's split of the reduced shard (set by the unit).
-        self._grad_index = -1
+        # Where its part of its unit's reduced output starts (set by the unit).
+        self._grad_offset = -1
 
     @property
     def local_numel(self) -> int:

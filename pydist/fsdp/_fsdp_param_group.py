@@ -233,19 +233,10 @@ class FSDPParamGroup:
         # what a batched all-gather copies into. Views, valid across resizes,
         # made at the first (a view cannot be made while the buffer has no memory).
         self.rank_views: list[torch.Tensor] | None = None
-        # How the reduced output splits into the parameters' local parts (and
-        # the gaps between and after them), and which part is whose.
-        self._grad_split: list[int] = []
-        cursor = shard_start
+        # Where each parameter's part of the reduced output starts: the
+        # output is laid out as the shard buffer is.
         for fp in self.fsdp_params:
-            if fp.local_start > cursor:
-                self._grad_split.append(fp.local_start - cursor)
-            fp._grad_index = len(self._grad_split)
-            self._grad_split.append(fp.local_numel)
-            cursor = max(cursor, fp.local_end)
-        end = shard_start + (self.shard_numel if sharded else self.padded_numel)
-        if end > cursor:
-            self._grad_split.append(end - cursor)
+            fp._grad_offset = fp.local_start - shard_start
         # NO_SHARD units are unsharded for good: unshard and reshard do nothing.
         self.sharded_state = ShardedState.SHARDED if sharded else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
@@ -633,7 +624,9 @@ class FSDPParamGroup:
 
     def _hand_out_grads(self, output: torch.Tensor) -> None:
         """``output`` (this rank's reduced shard) split into the shards' ``.grad``."""
-        _C.accumulate_into_grads(*self.grads_to_hand_out(output.to(self.dtype).split_with_sizes(self._grad_split)))
+        params, offsets = [], []
+        self.grads_to_hand_out(params, offsets, 0)
+        _C.hand_out_grads(output.to(self.dtype), params, offsets)
 
     # [Note: parameters without a gradient]
     # A parameter that gets no gradient on some ranks is packed as zeros from
@@ -658,12 +651,14 @@ class FSDPParamGroup:
         chosen = [fp for fp, n in zip(self.fsdp_params, counts) if n > 0 or (zeros and fp.requires_grad)]
         self._grads_for = None if chosen == self._trainable else chosen
 
-    def grads_to_hand_out(self, pieces, base: int = 0) -> tuple[list, list]:
-        """(the sharded parameters that get a ``.grad``, their pieces of the
-        reduced output), ``pieces[base + fp._grad_index]`` being each one's.
-        See [Note: parameters without a gradient]."""
-        chosen = self._trainable if self._grads_for is None else self._grads_for
-        return [fp.sharded_param for fp in chosen], [pieces[base + fp._grad_index] for fp in chosen]
+    def grads_to_hand_out(self, params: list, offsets: list, base: int) -> None:
+        """Appends the sharded parameters that get a ``.grad`` to ``params``,
+        and where each one's part of a reduced output starts to ``offsets``,
+        the unit's own output starting at ``base``. See [Note: parameters
+        without a gradient]."""
+        for fp in self._trainable if self._grads_for is None else self._grads_for:
+            params.append(fp.sharded_param)
+            offsets.append(base + fp._grad_offset)
 
     # --- helpers -------------------------------------------------------------
 
@@ -938,15 +933,11 @@ class GradBatch:
         completed = self.future.wait()
         self.future = None
         if self.arrived == self.members and self.output.dtype == self.members[0].dtype:
-            # The common case: the members' parts end to end, one split, one C++ call.
-            pieces = self.output.split_with_sizes([n for pg in self.members for n in pg._grad_split])
-            params, grads, base = [], [], 0
+            # The common case: the members' parts end to end, one C++ call.
+            params, offsets = [], []
             for pg in self.members:
-                mine = pg.grads_to_hand_out(pieces, base)
-                params += mine[0]
-                grads += mine[1]
-                base += len(pg._grad_split)
-            _C.accumulate_into_grads(params, grads)
+                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
+            _C.hand_out_grads(self.output, params, offsets)
         else:  # launched early, or a reduce dtype that is not the shards'
             for pg in self.arrived:
                 pg._hand_out_grads(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))

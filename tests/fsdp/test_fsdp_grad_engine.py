@@ -1,7 +1,7 @@
 """The gradient path of pydist's FSDP: each unit's gradients packed by one
 C++ call into its column of its batch's rank-major reduce-scatter input
 (``pydist._C.pack_rank_major`` against its pure-torch oracle, bitwise), the
-reduced shards handed out as ``.grad`` in C++ (``accumulate_into_grads``),
+reduced shards handed out as ``.grad`` in C++ (``hand_out_grads``),
 and, on spawned gloo ranks against stock torch ``fully_shard`` (bitwise at
 two ranks), the cases that path has to get right: a batch mixing frozen,
 partly frozen and trainable units, a unit whose post-backward comes from
@@ -22,7 +22,7 @@ from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.spawn import run_ranks
 
 # --------------------------------------------------------------------------
-# pack_rank_major and accumulate_into_grads, in one process
+# pack_rank_major and hand_out_grads, in one process
 # --------------------------------------------------------------------------
 
 
@@ -69,18 +69,26 @@ def test_pack_rank_major_refuses_what_it_cannot_pack():
         _C.pack_rank_major([torch.zeros(3, dtype=torch.cfloat)], [3, 1], cout, 2, 0, 4)
 
 
-def test_accumulate_into_grads_sets_then_adds():
+def test_hand_out_grads_sets_views_then_adds():
     p = nn.Parameter(torch.zeros(2, 3))
     q = nn.Parameter(torch.zeros(4))
-    reduced = torch.arange(10, dtype=torch.float32)
-    _C.accumulate_into_grads([p, q], [reduced[:6], reduced[6:]])
-    assert p.grad.shape == (2, 3) and p.grad.data_ptr() == reduced.data_ptr()  # a view, no copy
-    assert torch.equal(q.grad, torch.tensor([6.0, 7, 8, 9]))
+    empty = nn.Parameter(torch.zeros(0))  # a parameter with no part on this rank
+    reduced = torch.arange(12, dtype=torch.float32)
+    output = reduced[1:]  # a view with an offset, as a unit's part of a batch's output is
+    _C.hand_out_grads(output, [p, q, empty], [0, 7, 11])
+    assert p.grad.shape == (2, 3) and p.grad.data_ptr() == output.data_ptr()  # a view, no copy
+    assert torch.equal(p.grad, torch.arange(1.0, 7).view(2, 3))
+    assert torch.equal(q.grad, torch.tensor([8.0, 9, 10, 11])) and q.grad.data_ptr() == reduced[8:].data_ptr()
+    assert empty.grad.shape == (0,)
     kept = q.grad
-    _C.accumulate_into_grads([q], [torch.ones(4)])
-    assert q.grad is kept and torch.equal(kept, torch.tensor([7.0, 8, 9, 10]))
-    with pytest.raises(RuntimeError, match="its parameter"):
-        _C.accumulate_into_grads([q], [torch.ones(3)])
+    _C.hand_out_grads(torch.ones(5), [q], [1])
+    assert q.grad is kept and torch.equal(kept, torch.tensor([9.0, 10, 11, 12]))
+    with pytest.raises(RuntimeError, match=r"params\[0\] .* at offset 2 does not fit the output"):
+        _C.hand_out_grads(torch.ones(5), [q], [2])
+    with pytest.raises(RuntimeError, match="does not fit"):
+        _C.hand_out_grads(torch.ones(5, dtype=torch.float64), [q], [0])
+    with pytest.raises(RuntimeError, match="2 params but 1 offsets"):
+        _C.hand_out_grads(torch.ones(5), [p, q], [0])
 
 
 # --------------------------------------------------------------------------
