@@ -204,6 +204,20 @@ def _unused_and_memory_rank(rank, world_size, _unused):
         for _ in range(2):
             F.mse_loss(nested(torch.randn(4, 8)), torch.randn(4, 4)).backward()
         records[batch_bytes] = last_iteration_record(nested)
+    # A unit already unsharded when the root first cuts the forward's batches
+    # (the second forward) stays out of them that time; the next forward,
+    # every unit SHARDED again, gathers the whole model in one batch again
+    # (that layout is not the one the next plans reuse).
+    torch.manual_seed(0)
+    nested = Nested()
+    for m in nested.units():
+        fully_shard(m, shm=True)
+    fully_shard(nested, shm=True)
+    for i in range(3):
+        if i == 1:
+            nested.blocks[1].unshard()
+        F.mse_loss(nested(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    regathered = last_iteration_record(nested)
     # FSDP2's module methods: an explicit unshard shows full parameters, reshard the shards
     block = nested.blocks[1]
     handle = block.unshard(async_op=True)
@@ -214,6 +228,7 @@ def _unused_and_memory_rank(rank, world_size, _unused):
     return {
         "shapes": shapes,
         "records": records,
+        "regathered": regathered,
         "unused_match": unused,
         "persistent": tuple(measured),
         "expected": (shard_bytes, shard_bytes, adam_bytes, pool_bytes),
@@ -237,6 +252,7 @@ def test_unused_on_some_ranks_and_persistent_bytes():
         assert sum(out["persistent"]) <= 1.01 * 16 * out["psi"] / world_size
         for batch_bytes, record in out["records"].items():
             _check_records(record, batch_bytes)
+        _check_records(out["regathered"], None)
         assert out["shapes"][0] == (24, 24) and len(out["shapes"][1]) == 1, out["shapes"]
 
 
