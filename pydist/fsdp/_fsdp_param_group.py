@@ -932,15 +932,12 @@ class GradBatch:
         needed = time.monotonic_ns()
         completed = self.future.wait()
         self.future = None
-        if self.arrived == self.members and self.output.dtype == self.members[0].dtype:
-            # The common case: the members' parts end to end, one C++ call.
-            params, offsets = [], []
-            for pg in self.members:
-                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
-            _C.hand_out_grads(self.output, params, offsets)
-        else:  # launched early, or a reduce dtype that is not the shards'
-            for pg in self.arrived:
-                pg._hand_out_grads(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
+        # The arrived members' parts, each at its column, in one C++ call (the
+        # output cast once where the reduce dtype is not the shards').
+        params, offsets = [], []
+        for pg in self.arrived:
+            pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
+        _C.hand_out_grads(self.output.to(self.members[0].dtype), params, offsets)
         for pg in self.arrived:
             pg._timings += ("reduce_scatter", "backward", self.issued_ns, needed, completed)
         self.input = self.output = None
