@@ -2,6 +2,7 @@
 
     python tests/reliability/fault_matrix.py                 # the whole table (~36 jobs)
     python tests/reliability/fault_matrix.py --scenario kill9 --launcher mpiexec --json
+    python tests/reliability/fault_matrix.py --wrapper pydist-fsdp-shm --where forward
 
 Each cell runs a 2-rank job of fault_worker.py (gloo process group, timeout
 TIMEOUT_S) in which rank 1 faults at step 5: ``kill9`` (SIGKILL), ``exception``
@@ -10,7 +11,11 @@ TIMEOUT_S) in which rank 1 faults at step 5: ``kill9`` (SIGKILL), ``exception``
 torchrun variables and waits for the ranks one by one, as hand-written
 launchers do), ``torchrun``, ``mpiexec``. Wrappers: pydist's DDP through
 shared memory (``pydist-shm``), pydist's DDP through the gloo group
-(``pydist-gloo``), and torch's DDP (``torch``), in the same situations.
+(``pydist-gloo``), and torch's DDP (``torch``), in the same situations; and
+the sharded wrappers, each Linear a unit: ``pydist-fsdp-shm``,
+``pydist-fsdp-gloo`` (pydist.fully_shard with shm=True / False) and
+``torch-fsdp`` (torch's fully_shard). ``--where forward`` faults inside the
+second Linear's forward instead of between steps.
 
 Columns: seconds from the fault to the end of the whole job (``hang`` past
 the cap), the launcher's exit code, the first error a surviving rank printed,
@@ -33,6 +38,8 @@ WORKER = os.path.join(HERE, "fault_worker.py")
 SCENARIOS = ["kill9", "exception", "straggler", "early_exit"]
 LAUNCHERS = ["manual", "torchrun", "mpiexec"]
 WRAPPERS = ["pydist-shm", "pydist-gloo", "torch"]
+FSDP_WRAPPERS = ["pydist-fsdp-shm", "pydist-fsdp-gloo", "torch-fsdp"]  # run when named with --wrapper
+WHERE = ["step", "forward"]
 TIMEOUT_S = 10  # the process group's timeout
 CAP_S = 120  # a job still running this long after its fault counts as a hang
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -44,10 +51,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(launcher, scenario, wrapper, out_dir):
+def start(launcher, scenario, wrapper, out_dir, where="step"):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    args = [WORKER, scenario, wrapper, str(TIMEOUT_S)]
+    args = [WORKER, scenario, wrapper, str(TIMEOUT_S), where]
     logs = []
 
     def popen(cmd, extra, name):
@@ -68,9 +75,9 @@ def start(launcher, scenario, wrapper, out_dir):
     return procs, logs
 
 
-def run_cell(launcher, scenario, wrapper, out_dir):
+def run_cell(launcher, scenario, wrapper, out_dir, where="step"):
     os.makedirs(out_dir, exist_ok=True)
-    procs, logs = start(launcher, scenario, wrapper, out_dir)
+    procs, logs = start(launcher, scenario, wrapper, out_dir, where)
     deadline = time.monotonic() + CAP_S + 60
     hung = False
     for p in procs:  # one by one, as hand-written launchers wait
@@ -124,7 +131,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=SCENARIOS, action="append")
     parser.add_argument("--launcher", choices=LAUNCHERS, action="append")
-    parser.add_argument("--wrapper", choices=WRAPPERS, action="append")
+    parser.add_argument("--wrapper", choices=WRAPPERS + FSDP_WRAPPERS, action="append")
+    parser.add_argument("--where", choices=WHERE, default="step")
     parser.add_argument("--out", default="/tmp/pydist-fault-matrix")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args()
@@ -134,7 +142,8 @@ def main():
     for scenario in a.scenario or SCENARIOS:
         for launcher in a.launcher or LAUNCHERS:
             for wrapper in a.wrapper or WRAPPERS:
-                row = run_cell(launcher, scenario, wrapper, os.path.join(a.out, f"{scenario}-{launcher}-{wrapper}"))
+                row = run_cell(launcher, scenario, wrapper,
+                               os.path.join(a.out, f"{scenario}-{launcher}-{wrapper}-{a.where}"), a.where)
                 rows.append(row)
                 took = f"hang (> {CAP_S})" if row["hang"] else row["seconds"]
                 print(f"| {scenario} | {launcher} | {wrapper} | {took} | {','.join(map(str, row['rc']))} | "

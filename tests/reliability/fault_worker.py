@@ -1,10 +1,13 @@
 """One rank of a fault-matrix job (see fault_matrix.py); not a test module.
 
-    python fault_worker.py SCENARIO WRAPPER TIMEOUT_S
+    python fault_worker.py SCENARIO WRAPPER TIMEOUT_S [WHERE]
 
 Every rank joins with ``pydist.init_process_group(backend="gloo")``, wraps a
 small MLP in WRAPPER and trains; at step FAULT_STEP rank FAULT_RANK does
-SCENARIO. Lines on stdout, for the driver:
+SCENARIO, WHERE: ``step`` (between steps, the default) or ``forward``
+(inside the second Linear's forward: under a sharded wrapper the others are
+then waiting in a gather of that forward's plan, collectives in flight).
+Lines on stdout, for the driver:
   PID <rank> <pid>             at start (to find this job's /dev/shm segments)
   FAULT <unix time>            on the faulting rank, just before the fault
   SURVIVOR <rank> <message>    on a rank that saw an error, before re-raising
@@ -23,6 +26,7 @@ import pydist
 FAULT_RANK, FAULT_STEP, STEPS = 1, 5, 40
 
 scenario, wrapper, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+where = sys.argv[4] if len(sys.argv) > 4 else "step"
 result = pydist.init_process_group(backend="gloo", timeout=timeout_s)
 rank = result.rank
 print(f"PID {rank} {os.getpid()}", flush=True)
@@ -30,9 +34,20 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))  # 0.5M params
 if wrapper == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model)
+elif wrapper == "torch-fsdp":
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+elif wrapper.startswith("pydist-fsdp"):
+    for layer in (model[0], model[2]):
+        pydist.fully_shard(layer, shm=(wrapper == "pydist-fsdp-shm"))
+    pydist.fully_shard(model, shm=(wrapper == "pydist-fsdp-shm"))
 else:
     model = pydist.DistributedDataParallel(model, shm_allreduce=(wrapper == "pydist-shm"))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
+step = 0
 
 
 def fault():
@@ -47,9 +62,19 @@ def fault():
         sys.exit(0)
 
 
+
+def fault_in_forward(module, args):
+    if rank == FAULT_RANK and step == FAULT_STEP:
+        fault()
+
+
+if where == "forward":
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    layers[1].register_forward_pre_hook(fault_in_forward)
+
 try:
     for step in range(STEPS):
-        if rank == FAULT_RANK and step == FAULT_STEP:
+        if rank == FAULT_RANK and step == FAULT_STEP and where == "step":
             fault()
         x = torch.randn(32, 256)
         loss = model(x).square().mean()
