@@ -98,6 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("create"), py::arg("timeout_s"), nogil)
       .def("unlink", &ShmTransport::unlink)
+      .def("close", &ShmTransport::shut_down, nogil,
+           "this rank leaves now: peers waiting on it fail at once, later collectives here raise")
       .def(
           "allreduce_",
           [](ShmTransport& self, at::Tensor tensor, double scale) {

@@ -270,6 +270,13 @@ ShmTransport::~ShmTransport() {
     munmap(base_, mapped_bytes_);
     return;
   }
+  shut_down();
+  munmap(base_, mapped_bytes_);
+  if (create_) unlink();  // set-up ended before anyone did; harmless if done
+}
+
+void ShmTransport::shut_down() {
+  if (getpid() != owner_pid_ || closed_.exchange(true)) return;  // a forked child's: see the destructor
   {
     std::lock_guard<std::mutex> lock(queue_->mutex);
     stopping_ = true;
@@ -278,8 +285,6 @@ ShmTransport::~ShmTransport() {
   queue_->thread.join();  // it empties the queue first: those jobs fail fast
   store(&segment_->ranks[rank_].state, kDetached);
   for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(rank_, phase));
-  munmap(base_, mapped_bytes_);
-  if (create_) unlink();  // set-up ended before anyone did; harmless if done
 }
 
 void ShmTransport::unlink() {

@@ -115,6 +115,13 @@ class ShmTransport : public transport::Transport {
   // [Note: forked children].
   ~ShmTransport() override;
 
+  // What the destructor does but the unmapping, now: marks this rank as
+  // gone, fails work not yet started and joins the worker; every later
+  // collective here raises. For the exit, while other references may still
+  // hold this end (pydist.transport.shm_segment.close_all). Idempotent; a
+  // no-op in a forked child.
+  void shut_down();
+
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;
 
@@ -218,7 +225,8 @@ class ShmTransport : public transport::Transport {
   uint32_t calls_done_ = 0;   // collectives this rank has started
   bool call_unchecked_ = false;  // the running collective's description is not yet compared with the peers'
 
-  std::atomic<bool> stopping_{false};  // set by the destructor; waits give up
+  std::atomic<bool> stopping_{false};  // set by shut_down(); waits give up
+  std::atomic<bool> closed_{false};    // shut_down() ran here
   bool broken_ = false;     // a job failed: every later one fails too (peers are out of step)
   std::string broken_why_;  // the first failure, repeated to later jobs
   // Jobs from allreduce() to the worker thread, which it owns. On the heap

@@ -22,9 +22,11 @@ csrc/transport/shm_transport.h.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import secrets
+import weakref
 from typing import Callable
 
 import torch
@@ -32,7 +34,8 @@ import torch.distributed as dist
 
 from pydist import _C
 
-__all__ = ["map_segment", "map_segment_over_group", "map_segment_over_comm", "sweep_stale_segments", "group_timeout"]
+__all__ = ["map_segment", "map_segment_over_group", "map_segment_over_comm", "sweep_stale_segments", "group_timeout",
+           "close_all"]
 
 SHM_DIR = "/dev/shm"
 # Segment names: /pydist-<creator's pid namespace inode>-<creator's pid>-<random>.
@@ -81,7 +84,35 @@ def map_segment(rank: int, world_size: int, allgather: Callable[[object], list],
     failures = [f for f in failures if f]
     if failures:
         return None, "; ".join(failures)
+    global _close_at_exit
+    if not _close_at_exit:
+        _close_at_exit = atexit.register(close_all)  # see [Note: leaving the segment at exit]
+    _opened.add(shm)
     return shm, ""
+
+
+# [Note: leaving the segment at exit]
+# A rank that leaves mid-training without a fault its peers could see (a
+# sys.exit(0) in the loop, an exception under a launcher that does not kill
+# the job) must mark its end gone before anything at exit can block, or its
+# peers wait out the whole timeout in their next collective. Under mpiexec
+# the exit blocks in MPI_Finalize until every rank finalizes; an end not
+# destroyed before it (a sharded model's, held by its units, was seen alive
+# there in gdb) stays attached, and the peers, waiting on it, never
+# finalize. So an atexit handler (Python's, which all run before
+# mpi4py finalizes MPI, whoever made the process group) closes every end
+# this process opened: a peer still waiting fails at once, naming this rank
+# as having shut its end down. A rank that finished its last collective
+# closes as its destructor would have, only earlier.
+_opened: "weakref.WeakSet[_C.ShmTransport]" = weakref.WeakSet()
+_close_at_exit = None  # close_all, once registered with atexit
+
+
+def close_all() -> None:
+    """Closes every shared-memory end this process opened that is still
+    alive. See [Note: leaving the segment at exit]."""
+    for shm in list(_opened):
+        shm.close()
 
 
 def _attach(name: str, rank: int, world_size: int, timeout_s: float) -> tuple[_C.ShmTransport | None, str | None]:

@@ -1,5 +1,5 @@
 """Cells of the fault matrix (fault_matrix.py) under pytest: a rank of a
-sharded job that dies or raises inside a forward, while the other waits in
+sharded job that dies, raises or exits inside a forward, while the other waits in
 a gather of that forward's plan, ends the whole job within seconds (well
 inside the group's 10 s timeout: the death is noticed, not timed out), and
 the surviving rank's error names the collective and the rank it waited for."""
@@ -15,16 +15,21 @@ import fault_matrix  # noqa: E402
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("scenario,wrapper", [
-    ("kill9", "pydist-fsdp-shm"),
-    ("exception", "pydist-fsdp-shm"),
-    ("kill9", "pydist-fsdp-gloo"),
+@pytest.mark.parametrize("launcher,scenario,wrapper", [
+    ("manual", "kill9", "pydist-fsdp-shm"),
+    ("manual", "exception", "pydist-fsdp-shm"),
+    ("manual", "kill9", "pydist-fsdp-gloo"),
+    # Under mpiexec the rank that exits waits in MPI_Finalize for the others,
+    # its end still attached unless closed at exit: the survivor then waited
+    # out the whole timeout (see [Note: leaving the segment at exit] in
+    # pydist/transport/shm_segment.py).
+    ("mpiexec", "early_exit", "pydist-fsdp-shm"),
 ])
-def test_sharded_job_ends_when_a_rank_fails_in_forward(tmp_path, scenario, wrapper):
-    row = fault_matrix.run_cell("manual", scenario, wrapper, str(tmp_path), where="forward")
+def test_sharded_job_ends_when_a_rank_fails_in_forward(tmp_path, launcher, scenario, wrapper):
+    row = fault_matrix.run_cell(launcher, scenario, wrapper, str(tmp_path), where="forward")
     assert not row["hang"], row
-    assert row["seconds"] is not None and row["seconds"] < fault_matrix.TIMEOUT_S, row
-    assert row["rc"][1] != 0 and row["rc"][0] != 0, row  # the survivor raised too, it did not train on
+    assert row["seconds"] is not None and row["seconds"] < fault_matrix.TIMEOUT_S / 2, row
+    assert all(rc != 0 for rc in row["rc"]), row  # the survivor raised too, it did not train on
     assert row["leftovers"] == 0, row
     if wrapper.endswith("shm"):
         assert "shared-memory all-gather" in row["message"] and "rank 0 waited for rank 1" in row["message"], row
