@@ -1,7 +1,8 @@
 """pydist FSDP beside torch FSDP2 and FSDP1: step time, persistent bytes,
 padding and peak RSS on CPU ranks over gloo.
 
-    python benchmarks/bench_fsdp.py [--nprocs 2|4] [--rounds 5] [--steps 3] [--models linear,transformer|all] [--json]
+    python benchmarks/bench_fsdp.py [--nprocs 2|4] [--rounds 5] [--steps 3] [--models linear,transformer|all]
+                                    [--modes torch,pydist,...] [--json]
 
 Models (``--models``, comma-separated keys, or ``all``; the default runs
 ``linear,transformer``, about 3 minutes on 2 quiet cores):
@@ -29,7 +30,11 @@ within a run mean anything on these machines):
 "paired" is the median over rounds of a mode's step / torch FSDP2's within a
 round, "vs fsdp1" the same against torch FSDP1's, and the line under each
 table the same for pydist.fully_shard against pydist DDP. Every other round
-runs the modes in reverse order.
+runs the modes in reverse order. ``--modes`` builds and times only the modes
+named (all six by default): ``--modes pydist,pydist_ddp`` times pydist's two
+wrappers in processes that run nothing else, as a training job does (torch's
+sharded modes stepping in the same processes slow pydist's sharded step more
+than its DDP step; see benchmarks/RESULTS.md).
 Persistent bytes are the distinct storages of the parameters, their
 gradients and Adam's state on one rank after a step (torch: the DTensors'
 local tensors); "ideal" is 16 Psi / N. Padding is the elements a rank's
@@ -173,20 +178,20 @@ def _fsdp1_local_numel(model) -> int:
     return sum(m._handle.flat_param.numel() for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle)
 
 
-def _time_rank(rank, world_size, model_key, rounds, steps):
+def _time_rank(rank, world_size, model_key, rounds, steps, modes):
     x = _input(model_key, rank)
-    built = {mode: _build(mode, model_key, world_size) for mode in MODES}
+    built = {mode: _build(mode, model_key, world_size) for mode in modes}
     steps_fn = {mode: _step_fn(model, opt, x) for mode, (model, opt) in built.items()}
     for fn in steps_fn.values():
         for _ in range(2):
             fn()
-    times = {mode: [] for mode in MODES}
+    times = {mode: [] for mode in modes}
     for i in range(rounds):
         # Every other round in reverse (A B .. B A): a mode that runs late in
         # one round runs early in the next, so whatever a position costs (the
         # heap and caches the mode before it leaves, drift over the round)
         # falls on every mode alike and cancels in the per-round ratios.
-        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+        for mode in modes if i % 2 == 0 else modes[::-1]:
             fn = steps_fn[mode]
             dist.barrier()
             t0 = time.perf_counter()
@@ -213,8 +218,7 @@ def _time_rank(rank, world_size, model_key, rounds, steps):
         memory[mode] = {"persistent_bytes": nbytes, "padding_elems": local_numel - psi / world_size}
     from pydist.fsdp import last_iteration_record
 
-    record = last_iteration_record(built["pydist"][0])
-    exposed = record.exposed_ns() / 1e6
+    exposed = last_iteration_record(built["pydist"][0]).exposed_ns() / 1e6 if "pydist" in built else float("nan")
     return {"times": times, "memory": memory, "psi": psi, "pydist_exposed_ms": exposed}
 
 
@@ -227,11 +231,11 @@ def _rss_rank(rank, world_size, model_key, mode, steps):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(model_key: str, world_size: int, rounds: int, steps: int) -> dict:
-    per_rank = run_ranks(_time_rank, world_size, args=(model_key, rounds, steps), timeout=600)
-    slower = {m: [max(r["times"][m][i] for r in per_rank) for i in range(rounds)] for m in MODES}
-    out = {"model": MODELS[model_key].name, "world_size": world_size, "psi": per_rank[0]["psi"]}
-    for m in MODES:
+def run(model_key: str, world_size: int, rounds: int, steps: int, modes: tuple = MODES) -> dict:
+    per_rank = run_ranks(_time_rank, world_size, args=(model_key, rounds, steps, modes), timeout=600)
+    slower = {m: [max(r["times"][m][i] for r in per_rank) for i in range(rounds)] for m in modes}
+    out = {"model": MODELS[model_key].name, "world_size": world_size, "psi": per_rank[0]["psi"], "modes": modes}
+    for m in modes:
         out[f"{m}_ms"] = statistics.median(slower[m]) * 1e3
         out[f"{m}_persistent_MB"] = max(r["memory"][m]["persistent_bytes"] for r in per_rank) / 2**20
         out[f"{m}_padding_elems"] = max(r["memory"][m]["padding_elems"] for r in per_rank)
@@ -239,11 +243,14 @@ def run(model_key: str, world_size: int, rounds: int, steps: int) -> dict:
         out[f"{m}_peak_rss_MB"] = max(rss) / 2**20
     out["ideal_persistent_MB"] = 16 * out["psi"] / world_size / 2**20
     out["pydist_exposed_ms"] = max(r["pydist_exposed_ms"] for r in per_rank)
-    for m in MODES:
-        out[f"{m}_paired"] = statistics.median(p / t for p, t in zip(slower[m], slower["torch"]))
-        out[f"{m}_paired_fsdp1"] = statistics.median(p / t for p, t in zip(slower[m], slower["torch_fsdp1"]))
-    for m in ("pydist", "pydist_pg"):  # issue #14's second step-time target
-        out[f"{m}_paired_pydist_ddp"] = statistics.median(p / t for p, t in zip(slower[m], slower["pydist_ddp"]))
+    def paired(m, base):
+        return statistics.median(p / t for p, t in zip(slower[m], slower[base])) if base in slower else None
+
+    for m in modes:
+        out[f"{m}_paired"] = paired(m, "torch")
+        out[f"{m}_paired_fsdp1"] = paired(m, "torch_fsdp1")
+        if m in ("pydist", "pydist_pg"):  # issue #14's second step-time target
+            out[f"{m}_paired_pydist_ddp"] = paired(m, "pydist_ddp")
     return out
 
 
@@ -255,6 +262,18 @@ def _model_keys(text: str) -> list:
     return keys
 
 
+def _modes(text: str) -> tuple:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"modes {text!r}: pick each at most once from {', '.join(MODES)}")
+    return modes
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", "--world-size", type=int, default=2, dest="nprocs",
@@ -263,11 +282,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--models", type=_model_keys, default=DEFAULT_MODELS,
                         help=f"comma-separated: {', '.join(MODELS)}; or all (default: {DEFAULT_MODELS})")
+    parser.add_argument("--modes", type=_modes, default=MODES,
+                        help=f"comma-separated, timed in this order: {', '.join(MODES)} (default: all)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.nprocs < 2:
         parser.error(f"--nprocs {args.nprocs}: sharding needs at least 2 ranks")
-    results = [run(k, args.nprocs, args.rounds, args.steps) for k in args.models]
+    results = [run(k, args.nprocs, args.rounds, args.steps, args.modes) for k in args.models]
     if args.json:
         print(json.dumps(results, indent=1))
         return
@@ -277,14 +298,17 @@ def main() -> None:
               "on its collectives)")
         print(f"{'mode':<11} {'step(ms)':>9} {'vs torch':>9} {'paired':>7} {'vs fsdp1':>8} {'persist(MB)':>12} "
               f"{'padding':>8} {'peakRSS(MB)':>12}")
-        for m in MODES:
-            ratio = r[f"{m}_ms"] / r["torch_ms"]
-            paired = f"{r[m + '_paired']:.2f}" if m != "torch" else "-"
-            paired1 = f"{r[m + '_paired_fsdp1']:.2f}" if m != "torch_fsdp1" else "-"
-            print(f"{m:<11} {r[m + '_ms']:>9.1f} {ratio:>9.2f} {paired:>7} {paired1:>8} {r[m + '_persistent_MB']:>12.2f} "
+        for m in r["modes"]:
+            ratio = f"{r[m + '_ms'] / r['torch_ms']:.2f}" if "torch_ms" in r else "-"
+            paired = _ratio(r[m + "_paired"]) if m != "torch" else "-"
+            paired1 = _ratio(r[m + "_paired_fsdp1"]) if m != "torch_fsdp1" else "-"
+            print(f"{m:<11} {r[m + '_ms']:>9.1f} {ratio:>9} {paired:>7} {paired1:>8} {r[m + '_persistent_MB']:>12.2f} "
                   f"{r[m + '_padding_elems']:>8.0f} {r[m + '_peak_rss_MB']:>12.1f}")
-        print(f"pydist.fully_shard / pydist DDP, paired per round: {r['pydist_paired_pydist_ddp']:.2f} (shm), "
-              f"{r['pydist_pg_paired_pydist_ddp']:.2f} (gloo)")
+        against_ddp = [f"{r[m + '_paired_pydist_ddp']:.2f} ({transport})"
+                       for m, transport in (("pydist", "shm"), ("pydist_pg", "gloo"))
+                       if r.get(m + "_paired_pydist_ddp") is not None]
+        if against_ddp:
+            print("pydist.fully_shard / pydist DDP, paired per round: " + ", ".join(against_ddp))
 
 
 if __name__ == "__main__":
