@@ -98,8 +98,8 @@ def map_segment(rank: int, world_size: int, allgather: Callable[[object], list],
 # peers wait out the whole timeout in their next collective. Under mpiexec
 # the exit blocks in MPI_Finalize until every rank finalizes; an end not
 # destroyed before it (a sharded model's, held by its units, was seen alive
-# there in gdb) stays attached, and the peers, waiting on it, never
-# finalize. So an atexit handler (Python's, which all run before
+# there in gdb) stays attached, and the peers waiting on it wait out their
+# timeout before they fail. So an atexit handler (Python's, which all run before
 # mpi4py finalizes MPI, whoever made the process group) closes every end
 # this process opened: a peer still waiting fails at once, naming this rank
 # as having shut its end down. A rank that finished its last collective
