@@ -95,7 +95,7 @@ def derive_torchrun_env(timeout: datetime.timedelta = STORE_TIMEOUT) -> Torchrun
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m pydist.run [-m module | script] args...``."""
-    from pydist.rendezvous.process_group import export_torchrun_env
+    from pydist.rendezvous.process_group import _destroy_at_exit, export_torchrun_env
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     derived = derive_torchrun_env()
     if derived is not None:
         export_torchrun_env(derived.variables(), f"pydist.run under {derived.launcher}")
+    # The script's own groups (torch's init_process_group) are destroyed at
+    # exit while Python is alive, as pydist.init_process_group's are: gloo's
+    # threads otherwise abort the rank in the interpreter's shutdown. See
+    # [Note: exit cleanly under mpiexec] in pydist/rendezvous/process_group.py.
+    _destroy_at_exit()
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
