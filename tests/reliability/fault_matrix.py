@@ -75,10 +75,11 @@ def start(launcher, scenario, wrapper, out_dir, where="step"):
     return procs, logs
 
 
-def run_cell(launcher, scenario, wrapper, out_dir, where="step"):
+def run_cell(launcher, scenario, wrapper, out_dir, where="step", cap_s=CAP_S):
+    """``cap_s``: how long past start the job may run before it is killed as hung."""
     os.makedirs(out_dir, exist_ok=True)
     procs, logs = start(launcher, scenario, wrapper, out_dir, where)
-    deadline = time.monotonic() + CAP_S + 60
+    deadline = time.monotonic() + cap_s + 60
     hung = False
     for p in procs:  # one by one, as hand-written launchers wait
         try:
