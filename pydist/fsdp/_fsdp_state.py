@@ -402,14 +402,18 @@ class FSDPState:
             row = self._order_row(gathering)
             if gathering is None:
                 self._checked_order, self._checked_row = list(self.forward_order), row
+        row[1] = self.iteration
         rows = collectives.all_gather_small(self.transport, row).tolist()
-        if all(r == rows[0] for r in rows):
+        # The forward's number only explains a mismatch: ranks that run the
+        # same units in the same order pair their collectives whatever it is.
+        if all(r[:1] + r[2:] == rows[0][:1] + rows[0][2:] for r in rows):
             return
         raise RuntimeError(self._describe_orders(rows))
 
     def _order_row(self, gathering: FSDPState | None) -> torch.Tensor:
-        """What check_forward_order sends: [done, length, digest, the units
-        run (indices into all_states), -1 padding]."""
+        """What check_forward_order sends: [done, the root's forward number
+        (set at each send), length, digest, the units run (indices into
+        all_states), -1 padding]."""
         index = self._state_index
         order = [index[id(s)] for s in self.forward_order]
         if gathering is not None:
@@ -419,8 +423,8 @@ class FSDPState:
         if len(order) > n:
             for i in order:
                 digest = (digest * 1000003 + i + 1) % (1 << 50)
-        row = [float(gathering is None), float(len(order)), float(digest)] + [float(i) for i in order[:n]]
-        row += [-1.0] * (n + 3 - len(row))
+        row = [float(gathering is None), 0.0, float(len(order)), float(digest)] + [float(i) for i in order[:n]]
+        row += [-1.0] * (n + 4 - len(row))
         return torch.tensor(row, dtype=torch.float64)
 
     def _describe_orders(self, rows: list[list[float]]) -> str:
@@ -428,7 +432,7 @@ class FSDPState:
             label = self.all_states[i].param_group.label
             return repr(label) if label else f"'' (the root, {type(self.module).__name__})"
 
-        orders = [[int(i) for i in r[3:] if i >= 0] for r in rows]
+        orders = [[int(i) for i in r[4:] if i >= 0] for r in rows]
         ran = [set(o) for o in orders]
         everywhere = set.intersection(*ran)
         differing = []
@@ -438,14 +442,21 @@ class FSDPState:
             differing.append(f"{name(i)} ran on rank{'s' * (len(on) > 1)} {', '.join(map(str, on))} and not on "
                              f"rank{'s' * (len(off) > 1)} {', '.join(map(str, off))}")
         what = "; ".join(differing) if differing else "the same units ran in different orders"
-        listing = "; ".join(f"rank {q}: " + ", ".join(name(i) for i in o) + (" (forward done)" if r[0] else " ...")
+        listing = "; ".join(f"rank {q}: " + ", ".join(name(i) for i in o) + (" (forward done)" if r[0] else " (forward not done)")
                             for q, (r, o) in enumerate(zip(rows, orders)))
+        numbers = [int(r[1]) for r in rows]
+        out_of_step = ""  # by whole forwards: one was begun on some ranks only
+        if len(set(numbers)) > 1:
+            out_of_step = (" The ranks are in different forwards of the root (" +
+                           ", ".join(f"rank {q}: #{k}" for q, k in enumerate(numbers)) +
+                           "): a forward ran, or raised and was caught, on some ranks only.")
         return (
             f"pydist FSDP: the ranks ran different fully_shard'ed units in this forward of "
-            f"{type(self.module).__name__}: {what}. Units so far: {listing}. Their all-gathers and reduce-scatters "
-            "would pair one unit's with another's (torch's FSDP2 aborts on gloo or hangs there): every rank must run "
-            "the same units in the same order. Run the unit on every rank (e.g. on an empty input, as mixture-of-"
-            "experts layers do), or fully_shard a module that runs on every rank instead of the one that does not"
+            f"{type(self.module).__name__}: {what}. Units so far: {listing}.{out_of_step} Their all-gathers and "
+            "reduce-scatters would pair one unit's with another's (torch's FSDP2 aborts on gloo or hangs there): "
+            "every rank must run the same units in the same order. Run the unit on every rank (e.g. on an empty "
+            "input, as mixture-of-experts layers do), or fully_shard a module that runs on every rank instead of the "
+            "one that does not"
         )
 
     # --- hooks ----------------------------------------------------------------

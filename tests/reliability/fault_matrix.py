@@ -7,7 +7,8 @@
 Each cell runs a 2-rank job of fault_worker.py (gloo process group, timeout
 TIMEOUT_S) in which rank 1 faults at step 5: ``kill9`` (SIGKILL), ``exception``
 (uncaught RuntimeError), ``straggler`` (sleeps 10x the timeout), ``early_exit``
-(``sys.exit(0)`` mid-training). Launchers: ``manual`` (this script sets the
+(``sys.exit(0)`` mid-training), ``caught`` (a RuntimeError the rank's training
+loop catches, dropping that batch and training on). Launchers: ``manual`` (this script sets the
 torchrun variables and waits for the ranks one by one, as hand-written
 launchers do), ``torchrun``, ``mpiexec``. Wrappers: pydist's DDP through
 shared memory (``pydist-shm``), pydist's DDP through the gloo group
@@ -35,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "fault_worker.py")
-SCENARIOS = ["kill9", "exception", "straggler", "early_exit"]
+SCENARIOS = ["kill9", "exception", "straggler", "early_exit", "caught"]
 LAUNCHERS = ["manual", "torchrun", "mpiexec"]
 WRAPPERS = ["pydist-shm", "pydist-gloo", "torch"]
 FSDP_WRAPPERS = ["pydist-fsdp-shm", "pydist-fsdp-gloo", "torch-fsdp"]  # run when named with --wrapper

@@ -54,7 +54,7 @@ def fault():
     print(f"FAULT {time.time():.3f}", flush=True)
     if scenario == "kill9":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif scenario == "exception":
+    elif scenario in ("exception", "caught"):
         raise RuntimeError(f"rank {rank} fails on purpose")
     elif scenario == "straggler":
         time.sleep(timeout_s * 10)
@@ -72,19 +72,32 @@ if where == "forward":
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     layers[1].register_forward_pre_hook(fault_in_forward)
 
+
+
+def train_step():
+    if rank == FAULT_RANK and step == FAULT_STEP and where == "step":
+        fault()
+    x = torch.randn(32, 256)
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 try:
     for step in range(STEPS):
-        if rank == FAULT_RANK and step == FAULT_STEP and where == "step":
-            fault()
-        x = torch.randn(32, 256)
-        loss = model(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        try:
+            train_step()
+        except RuntimeError:
+            # ``caught``: the faulting rank drops the batch and trains on, as
+            # a loop that skips a bad batch does; the others never faulted.
+            if not (scenario == "caught" and rank == FAULT_RANK and step == FAULT_STEP):
+                raise
+            print(f"CAUGHT {rank}", flush=True)
         time.sleep(0.02)
 except BaseException as exc:
     if rank != FAULT_RANK and not isinstance(exc, SystemExit):
         text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-        print(f"SURVIVOR {rank} {text[:300]}", flush=True)
+        print(f"SURVIVOR {rank} {text[:600]}", flush=True)
     raise
 dist.destroy_process_group()

@@ -37,3 +37,20 @@ def test_sharded_job_ends_when_a_rank_fails_in_forward(tmp_path, launcher, scena
     assert row["leftovers"] == 0, row
     if wrapper.endswith("shm"):
         assert "shared-memory all-gather" in row["message"] and "rank 0 waited for rank 1" in row["message"], row
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("wrapper", ["pydist-fsdp-shm", "pydist-fsdp-gloo"])
+def test_sharded_job_ends_when_one_rank_catches_an_exception_in_forward(tmp_path, wrapper):
+    """Rank 1's forward raises and its loop catches it and trains on, as a
+    loop that skips a bad batch does; rank 0 never raised. The ranks' gathers
+    are then out of step, with the same sizes: neither trains on parameters
+    paired with another unit's, both stop at the end of rank 0's forward,
+    naming the forwards they are in."""
+    row = fault_matrix.run_cell("manual", "caught", wrapper, str(tmp_path), where="forward", cap_s=30)
+    assert not row["hang"], row
+    assert row["seconds"] is not None and row["seconds"] < fault_matrix.TIMEOUT_S / 2, row
+    assert all(rc != 0 for rc in row["rc"]), row
+    assert row["leftovers"] == 0, row
+    assert "ran different fully_shard'ed units" in row["message"], row
+    assert "different forwards of the root (rank 0: #6, rank 1: #7)" in row["message"], row
