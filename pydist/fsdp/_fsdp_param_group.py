@@ -150,13 +150,21 @@ class FSDPParamGroup:
                 f"pydist.fully_shard({label}): the parameters of one unit must share a dtype ({listing}); "
                 "call fully_shard on submodules so each unit has one dtype"
             )
+        devices = {p.device.type for _, p, _ in named_params}
         for n, p, _ in named_params:
-            if p.device.type != "cpu":
+            if p.device.type not in ("cpu", "meta") or len(devices) > 1:
                 raise NotImplementedError(
-                    f"pydist.fully_shard({label}): parameter {n} is on {p.device}; pydist shards CPU parameters only"
-                    + ("; materialize the module first (module.to_empty(device='cpu'), then initialize it), then "
-                       "fully_shard it" if p.device.type == "meta" else "")
+                    f"pydist.fully_shard({label}): parameter {n} is on {p.device}"
+                    + (f" and others of the unit on {sorted(devices - {p.device.type})}" if len(devices) > 1 else "")
+                    + "; pydist shards CPU parameters, or a unit all on the meta device (see [Note: a unit built on "
+                    "the meta device])"
                 )
+        # See [Note: a unit built on the meta device]: "meta" until
+        # to_empty, "full" until the unit's first use, then None.
+        self.materializing: str | None = "meta" if devices == {"meta"} else None
+        if self.materializing and not sharded:
+            raise NotImplementedError(f"pydist FSDP ({label}): NO_SHARD on the meta device is not implemented yet; "
+                                      "materialize the module (to_empty(device='cpu'), then initialize it) first")
         if param_dtype is not None and not sharded:
             raise NotImplementedError(f"pydist FSDP ({label}): mixed precision with NO_SHARD is not implemented yet")
         self.label = label  # the module's class, then (root lazy init) its name under the root: records, errors
@@ -176,18 +184,12 @@ class FSDPParamGroup:
         self.total_numel = sum(p.numel() for _, p, _ in named_params)
         self.shard_numel = -(-self.total_numel // self.shard_world_size)
         self.padded_numel = self.shard_numel * self.shard_world_size
-        shard_start = self.rank * self.shard_numel if sharded else 0
+        self.shard_start = shard_start = self.rank * self.shard_numel if sharded else 0
         # This rank's shard of the flat layout; the sharded parameters are
-        # views of it. Lives as long as the unit.
-        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype)
-        with torch.no_grad():
-            full = torch.zeros(self.padded_numel, dtype=self.dtype)
-            if named_params:
-                from pydist import ops
-
-                ops.flatten([p.detach() for _, p, _ in named_params], out=full.narrow(0, 0, self.total_numel))
-            self.shard.copy_(full.narrow(0, shard_start, self.shard_numel))
-            del full
+        # views of it. Lives as long as the unit (a meta unit's is replaced
+        # when it is sharded for real: shard_materialized).
+        self.shard = (torch.empty(self.shard_numel, dtype=self.dtype, device="meta") if self.materializing
+                      else self._shard_of([p for _, p, _ in named_params]))
         self.fsdp_params: list[FSDPParam] = []
         offset = 0
         for fqn, p, infos in named_params:
@@ -215,7 +217,8 @@ class FSDPParamGroup:
         self._sharded_regs = [(i.module._parameters, i.name, fp.sharded_param)
                               for fp in self.fsdp_params for i in fp.module_infos]
         self._unsharded_regs: list | None = None
-        _register(self._sharded_regs)
+        if not self.materializing:  # a meta unit's modules keep their full-size meta parameters
+            _register(self._sharded_regs)
         # The unsharded parameters, once they exist (NO_SHARD: now), as the
         # post-backward packs their .grads; whether any FSDPParam holds an
         # accumulated_grad (gradient sync off under mixed precision), which
@@ -294,6 +297,104 @@ class FSDPParamGroup:
         self.pool: UnshardPool | None = None
         self.is_root = False
         self._slot: PoolSlot | None = None
+
+    def _shard_of(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of ``params`` (the unit's, full size) laid out
+        flat: a new buffer."""
+        with torch.no_grad():
+            full = torch.zeros(self.padded_numel, dtype=self.dtype)
+            if params:
+                from pydist import ops
+
+                ops.flatten([p.detach() for p in params], out=full.narrow(0, 0, self.total_numel))
+            return full.narrow(0, self.shard_start, self.shard_numel).clone()
+
+    # [Note: a unit built on the meta device]
+    # FSDP2's recipe for a model too large to build whole on one device:
+    #     with torch.device("meta"): model = Model()
+    #     for block in model.blocks: fully_shard(block)
+    #     fully_shard(model)
+    #     model.to_empty(device="cpu"); model.reset_parameters()  # or init_weights(), a checkpoint
+    #     opt = torch.optim.AdamW(model.parameters())
+    # torch's sharded parameters are DTensors of the full shape, so the init
+    # runs on them (kaiming needs the shape). pydist's are 1-D pieces of the
+    # flat layout, so a meta unit goes through two states first:
+    #   "meta"  fully_shard leaves the module's full-size meta parameters in
+    #           place and makes a meta shard (no memory);
+    #   "full"  to_empty (Module._apply: after_apply) creates full-size CPU
+    #           parameters on the modules, which this unit adopts as its
+    #           sharded parameters; the user's init fills them, the optimizer
+    #           takes them;
+    #   None    at the unit's first use (the root's lazy init, a state dict,
+    #           unshard) shard_materialized lays them out flat, keeps this
+    #           rank's shard, and points each of those same Parameter objects
+    #           at its piece (``.data``), so the optimizer holds the shards.
+    # Each rank materializes the unit in full once, as a model built on the
+    # CPU and then fully_shard'ed does; every rank must initialize the same
+    # values (the same seed), as then. The result is bitwise that model's.
+    def after_apply(self) -> None:
+        """``Module._apply`` (to_empty, .to, .float ...) ran over the unit's
+        modules: a meta unit adopts the parameters it left there; any other
+        unit must still have its own in place, or raises."""
+        if self.materializing:
+            self._adopt_applied()
+            return
+        for fp in self.fsdp_params:
+            for info in fp.module_infos:
+                current = info.module._parameters.get(info.name)
+                if current is fp.sharded_param:
+                    home = self.shard
+                elif current is not None and current is fp.unsharded_param:
+                    home = self.unsharded
+                else:
+                    home = None
+                if home is None or current.untyped_storage().data_ptr() != home.untyped_storage().data_ptr():
+                    raise NotImplementedError(
+                        f"pydist.fully_shard({self.label}): moving or casting a fully_shard'ed module (Module._apply: "
+                        f".to(), .float(), .half(), .share_memory() ...) replaced parameter {fp.fqn}, which pydist's "
+                        "unit no longer sees; the model is broken. Move or cast the module before fully_shard "
+                        "(pydist shards CPU parameters; for a compute dtype, use mp_policy=MixedPrecisionPolicy(...))"
+                    )
+
+    def _adopt_applied(self) -> None:
+        for fp in self.fsdp_params:
+            first = fp.module_infos[0]
+            p = first.module._parameters[first.name]
+            if p.device.type not in ("cpu", "meta") or p.dtype != self.dtype or p.shape != fp.shape:
+                raise NotImplementedError(
+                    f"pydist.fully_shard({self.label}): parameter {fp.fqn} of a unit built on the meta device became "
+                    f"{p.dtype} {tuple(p.shape)} on {p.device}; pydist materializes it on the CPU in the dtype "
+                    f"fully_shard saw ({self.dtype}): call module.to_empty(device='cpu')"
+                )
+            for info in fp.module_infos[1:]:
+                info.module._parameters[info.name] = p  # to_empty makes one Parameter per place: tie them again
+            p._pydist_fsdp_param = fp
+            fp.sharded_param = p
+            fp.requires_grad = p.requires_grad
+            if p.device.type == "cpu":
+                self.materializing = "full"
+        self._sharded_regs = [(i.module._parameters, i.name, fp.sharded_param)
+                              for fp in self.fsdp_params for i in fp.module_infos]
+
+    def shard_materialized(self) -> None:
+        """At the unit's first use: its full-size parameters (the user
+        initialized them since to_empty) become its shard, the same
+        Parameter objects now 1-D pieces of it. See [Note: a unit built on
+        the meta device]."""
+        if self.materializing is None:
+            return
+        if self.materializing == "meta":
+            raise RuntimeError(
+                f"pydist.fully_shard({self.label}): the unit's parameters are still on the meta device; call "
+                "module.to_empty(device='cpu') on the root and initialize the parameters (e.g. reset_parameters(), "
+                "or load a state dict) before its first forward, state dict or unshard"
+            )
+        self.shard = self._shard_of([fp.sharded_param for fp in self.fsdp_params])
+        for fp in self.fsdp_params:
+            fp.sharded_param.data = self.shard.narrow(0, fp.local_start - self.shard_start, fp.local_numel)
+        self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+        self.materializing = None
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
 

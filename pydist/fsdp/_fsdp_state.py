@@ -188,6 +188,11 @@ class FSDPState:
                 )
             if state is not self and state.batch_bytes != DEFAULT_BATCH_BYTES:
                 state.refuse_batch_bytes_off_root(self, name)
+            if state.param_group is not None and state.param_group.materializing == "meta":
+                state.param_group.shard_materialized()  # raises: to_empty first
+        for _, state in named:  # see [Note: a unit built on the meta device] in _fsdp_param_group.py
+            if state.param_group is not None:
+                state.param_group.shard_materialized()
         self.is_root = True
         self.all_states = [s for _, s in named]
         self._state_index = {id(s): i for i, s in enumerate(self.all_states)}  # what check_forward_order sends

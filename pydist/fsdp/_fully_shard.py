@@ -5,6 +5,10 @@
     pydist.fully_shard(model)              # then the root: what is left
     opt = torch.optim.AdamW(model.parameters())   # the local shards
 
+Built on the meta device, as FSDP2's recipe: ``model.to_empty(device="cpu")``
+and initialize it after the fully_shard calls, before the optimizer (see
+[Note: a unit built on the meta device] in _fsdp_param_group.py).
+
 See [Note: what the optimizer sees] (pydist/fsdp/_fsdp_param.py) for what
 ``model.parameters()`` holds, [Note: the unit's flat layout] for how a unit
 is sharded and [Note: the order of an iteration] for the hooks.
@@ -136,6 +140,17 @@ class UnshardHandle:
 
 class FSDPModule:
     """Mixed into a fully_shard'ed module's class: FSDP2's module methods."""
+
+    def _apply(self, fn, recurse: bool = True):
+        """``to_empty``, ``.to()``, ``.float()``...: a unit built on the meta
+        device takes up the parameters this leaves on its modules (see [Note:
+        a unit built on the meta device] in _fsdp_param_group.py); another
+        unit raises if its parameters were replaced."""
+        out = super()._apply(fn, recurse)
+        state = state_of(self)
+        if state is not None and state.param_group is not None:
+            state.param_group.after_apply()
+        return out
 
     def _fsdp_states(self, recurse: bool):
         modules = self.modules() if recurse else [self]

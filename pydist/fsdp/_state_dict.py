@@ -270,7 +270,10 @@ class _UnitStateDictHooks:
     def _param_group(self):
         state = state_of(self.module)
         pg = state.param_group if state is not None else None
-        return pg if pg is not None and pg.sharded else None
+        if pg is None or not pg.sharded:
+            return None
+        pg.shard_materialized()  # a unit built on the meta device: its shard is what a state dict holds
+        return pg
 
     def _entries(self, pg, prefix: str):
         if self._keys is None:

@@ -1,0 +1,148 @@
+"""A model built on the meta device, as FSDP2's recipe builds one too large
+for a device (``with torch.device("meta")``, ``fully_shard`` bottom-up,
+``to_empty(device="cpu")``, initialize, then the optimizer), trains bitwise
+as the same model built on the CPU from the same seed and then sharded; and
+what is refused on the way names what to do. Spawned gloo ranks. See [Note: a
+unit built on the meta device] in pydist/fsdp/_fsdp_param_group.py."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist.spawn import run_ranks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fsdp_harness import IN, Nested  # noqa: E402
+
+
+class TiedLM(nn.Module):
+    """Input and output embeddings one Parameter (in the root's unit), a block between."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.block = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)))
+
+    def units(self):
+        return [self.block]
+
+    def reset_parameters(self):
+        """Every parameter once, the tied one as the embedding (not as the head's Linear)."""
+        self.embed.reset_parameters()
+        self.block[0].reset_parameters()
+
+
+def _shard(model: nn.Module, on_meta: bool, **kwargs) -> nn.Module:
+    from pydist import fully_shard
+
+    for unit in model.units():
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    if on_meta:
+        model.to_empty(device="cpu")
+        _initialize(model)
+    return model
+
+
+def _initialize(model: nn.Module) -> None:
+    torch.manual_seed(0)
+    if isinstance(model, TiedLM):
+        model.reset_parameters()
+        return
+    for m in model.modules():  # the order Nested's constructor initialized them in
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+
+def _build(on_meta: bool, cls=Nested, **kwargs) -> nn.Module:
+    if on_meta:
+        with torch.device("meta"):
+            model = cls()
+    else:
+        torch.manual_seed(0)
+        model = cls()
+        if cls is TiedLM:
+            _initialize(model)  # as the meta build will (the constructor also drew the head's own init)
+    return _shard(model, on_meta, **kwargs)
+
+
+def _train(model: nn.Module, rank: int):
+    from pydist.fsdp import full_state_dict
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    params = list(opt.param_groups[0]["params"])
+    losses = []
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randint(0, 16, (4, 3)) if isinstance(model, TiedLM) else torch.randn(4, IN)
+        loss = model(x).float().square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # The optimizer stepped on the shards: the Parameter objects it was given
+    # before the first forward are the 1-D shards now, and the modules hold them.
+    shards = {id(p) for p in model.parameters()}
+    on_shards = all(p.dim() == 1 and id(p) in shards for p in params) and len(params) == len(shards)
+    return losses, full_state_dict(model), on_shards
+
+
+def _meta_rank(rank, world_size):
+    out = {}
+    out["cpu"] = _train(_build(on_meta=False), rank)
+    out["meta"] = _train(_build(on_meta=True), rank)
+    # A weight tied across two modules of one unit (to_empty makes two
+    # Parameters of it: tied again), computing in bf16.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out["tied_cpu"] = _train(_build(False, TiedLM, mp_policy=mp), rank)
+    tied = _build(True, TiedLM, mp_policy=mp)
+    out["tied_is_tied"] = tied.head.weight is tied.embed.weight
+    out["tied_meta"] = _train(tied, rank)
+
+    def message(fn):
+        try:
+            fn()
+        except (RuntimeError, NotImplementedError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    # A forward before to_empty names the cure (and is refused on every rank alike: no collective ran).
+    with torch.device("meta"):
+        unmaterialized = Nested()
+    for unit in unmaterialized.units():
+        from pydist import fully_shard
+
+        fully_shard(unit)
+    fully_shard(unmaterialized)
+    out["forward_on_meta"] = message(lambda: unmaterialized(torch.randn(2, IN)))
+    # Casting a sharded module replaces the parameters pydist's units hold: refused, not trained wrong.
+    out["same_device"] = message(lambda: _build(on_meta=False).to("cpu").float())  # changes nothing: allowed
+    out["cast"] = message(lambda: _build(on_meta=False).to(torch.float64))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_meta_device_build_trains_bitwise_as_a_cpu_build():
+    for rank, out in enumerate(run_ranks(_meta_rank, 2, timeout=100)):
+        for cpu, meta in (("cpu", "meta"), ("tied_cpu", "tied_meta")):
+            (cpu_losses, cpu_sd, cpu_on_shards), (meta_losses, meta_sd, meta_on_shards) = out[cpu], out[meta]
+            assert meta_losses == cpu_losses, (rank, meta, meta_losses, cpu_losses)
+            assert meta_sd.keys() == cpu_sd.keys()
+            for key in cpu_sd:
+                assert torch.equal(meta_sd[key], cpu_sd[key]), (rank, meta, key)
+            assert cpu_on_shards and meta_on_shards, (rank, meta)
+        assert out["tied_is_tied"], rank
+        assert "still on the meta device" in out["forward_on_meta"] and "to_empty(device='cpu')" in out["forward_on_meta"]
+        assert out["cast"].startswith("NotImplementedError") and "before fully_shard" in out["cast"], out["cast"]
+        assert out["same_device"] == "no error", out["same_device"]
