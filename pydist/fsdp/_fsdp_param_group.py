@@ -214,8 +214,7 @@ class FSDPParamGroup:
         # the tensor to put there), flattened once: what reshard and
         # wait_for_unshard put in place (the unsharded list once the
         # unsharded parameters exist).
-        self._sharded_regs = [(i.module._parameters, i.name, fp.sharded_param)
-                              for fp in self.fsdp_params for i in fp.module_infos]
+        self._sharded_regs = self._registrations("sharded_param")
         self._unsharded_regs: list | None = None
         if not self.materializing:  # a meta unit's modules keep their full-size meta parameters
             _register(self._sharded_regs)
@@ -298,6 +297,11 @@ class FSDPParamGroup:
         self.is_root = False
         self._slot: PoolSlot | None = None
 
+    def _registrations(self, which: str) -> list:
+        """(module._parameters, name, the FSDPParam's ``which`` tensor) for
+        every place a parameter is registered: what ``_register`` puts there."""
+        return [(i.module._parameters, i.name, getattr(fp, which)) for fp in self.fsdp_params for i in fp.module_infos]
+
     def _shard_of(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """This rank's shard of ``params`` (the unit's, full size) laid out
         flat: a new buffer."""
@@ -373,8 +377,7 @@ class FSDPParamGroup:
             fp.requires_grad = p.requires_grad
             if p.device.type == "cpu":
                 self.materializing = "full"
-        self._sharded_regs = [(i.module._parameters, i.name, fp.sharded_param)
-                              for fp in self.fsdp_params for i in fp.module_infos]
+        self._sharded_regs = self._registrations("sharded_param")
 
     def shard_materialized(self) -> None:
         """At the unit's first use: its full-size parameters (the user
@@ -476,8 +479,7 @@ class FSDPParamGroup:
         if self._unsharded_regs is None:
             for fp in self.fsdp_params:
                 fp.init_unsharded_param(self.unsharded)
-            self._unsharded_regs = [(i.module._parameters, i.name, fp.unsharded_param)
-                                    for fp in self.fsdp_params for i in fp.module_infos]
+            self._unsharded_regs = self._registrations("unsharded_param")
             self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
         _register(self._unsharded_regs)
         self.sharded_state = ShardedState.UNSHARDED

@@ -447,7 +447,8 @@ class FSDPState:
             differing.append(f"{name(i)} ran on rank{'s' * (len(on) > 1)} {', '.join(map(str, on))} and not on "
                              f"rank{'s' * (len(off) > 1)} {', '.join(map(str, off))}")
         what = "; ".join(differing) if differing else "the same units ran in different orders"
-        listing = "; ".join(f"rank {q}: " + ", ".join(name(i) for i in o) + (" (forward done)" if r[0] else " (forward not done)")
+        listing = "; ".join(f"rank {q}: " + ", ".join(name(i) for i in o)
+                            + (" (forward done)" if r[0] else " (forward not done)")
                             for q, (r, o) in enumerate(zip(rows, orders)))
         numbers = [int(r[1]) for r in rows]
         out_of_step = ""  # by whole forwards: one was begun on some ranks only
