@@ -69,7 +69,9 @@ running sum (and are FSDP2's bit for bit).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 from typing import Iterator
 
 import torch
@@ -117,7 +119,8 @@ class FullyShardedDataParallel(nn.Module):
         _refuse(cpu_offload is not None and cpu_offload.offload_params, "cpu_offload=CPUOffload(offload_params=True)")
         _refuse(ignored_modules, "ignored_modules")
         _refuse(ignored_states, "ignored_states")
-        _refuse(param_init_fn is not None, "param_init_fn")
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(f"pydist.FullyShardedDataParallel: param_init_fn must be callable, got {param_init_fn!r}")
         _refuse(forward_prefetch, "forward_prefetch=True")
         _refuse(backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE), f"backward_prefetch={backward_prefetch}")
         _refuse(not use_orig_params, "use_orig_params=False")
@@ -127,6 +130,8 @@ class FullyShardedDataParallel(nn.Module):
             _refuse(device_mesh.ndim != 1, f"a {device_mesh.ndim}-D device_mesh")
             group = device_mesh.get_group()
         group = group if group is not None else dist.group.WORLD
+        targets = _wrap_targets(module, auto_wrap_policy)
+        _materialize(module, targets, param_init_fn)
         if sync_module_states:
             _broadcast_module_states(module, group)
         unit_policy, root_policy = _mixed_precision_policies(mixed_precision, module, auto_wrap_policy)
@@ -137,7 +142,6 @@ class FullyShardedDataParallel(nn.Module):
         kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
                       _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group,
                       _zeros_for_unused=True)  # FSDP1's answer: see [Note: parameters without a gradient]
-        targets = _wrap_targets(module, auto_wrap_policy)
         for m in reversed(list(module.modules())):  # children before their parents
             if m is not module and m in targets:
                 fully_shard(m, mp_policy=unit_policy, **kwargs)
@@ -314,6 +318,60 @@ def _wrap_targets(root: nn.Module, policy) -> set:
 
     recurse(root)
     return targets
+
+
+# [Note: FSDP1's meta-device init]
+# torch's FSDP1 materializes a module built on the meta device as it wraps
+# it, on device_id (here the CPU): each wrapped module's subtree, children
+# wrapped first (post-order, as its auto-wrap walks), then the root's rest,
+# each subtree breadth first and stopping at modules wrapped already; every
+# module visited either goes to param_init_fn(module), where one is given
+# (all of them: llama-recipes' ``lambda m: m.to_empty(device=..., recurse=
+# False)``), or, holding parameters or buffers of its own, is to_empty'd
+# (recurse=False) and its reset_parameters() called. pydist does the same
+# walk before it shards anything, so the reset_parameters calls draw from the
+# random generator in torch's order and the model starts bitwise as torch's
+# FSDP1 starts it; sync_module_states then broadcasts rank 0's values, as
+# torch's does after materializing.
+def _materialize(root: nn.Module, targets: set, param_init_fn) -> None:
+    """See [Note: FSDP1's meta-device init]; nothing without meta tensors."""
+    if not any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())):
+        return
+    done: set = set()
+    for unit in [m for m in _post_order(root) if m in targets] + [root]:
+        modules = _breadth_first(unit, done)
+        done.add(unit)
+        if not any(t.is_meta for m in modules for t in _own_tensors(m)):
+            continue  # torch's FSDP1 materializes a wrapped module only when it holds meta tensors
+        for m in modules:
+            if param_init_fn is not None:
+                param_init_fn(m)
+            elif next(_own_tensors(m), None) is not None:
+                with torch.no_grad():
+                    m.to_empty(device="cpu", recurse=False)
+                    m.reset_parameters()
+
+
+def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    return itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _breadth_first(unit: nn.Module, done: set) -> list:
+    order, queue, seen = [], collections.deque([unit]), {unit}
+    while queue:
+        m = queue.popleft()
+        order.append(m)
+        for child in m.children():
+            if child not in seen and child not in done:
+                seen.add(child)
+                queue.append(child)
+    return order
 
 
 def _mixed_precision_policies(mixed_precision: MixedPrecision | None, module: nn.Module, auto_wrap_policy):

@@ -2,8 +2,10 @@
 for a device (``with torch.device("meta")``, ``fully_shard`` bottom-up,
 ``to_empty(device="cpu")``, initialize, then the optimizer), trains bitwise
 as the same model built on the CPU from the same seed and then sharded; and
-what is refused on the way names what to do. Spawned gloo ranks. See [Note: a
-unit built on the meta device] in pydist/fsdp/_fsdp_param_group.py."""
+what is refused on the way names what to do. pydist.FullyShardedDataParallel
+materializes a meta model as torch's FSDP1 does, bitwise. Spawned gloo ranks.
+See [Note: a unit built on the meta device] in pydist/fsdp/_fsdp_param_group.py
+and [Note: FSDP1's meta-device init] in _fully_sharded_data_parallel.py."""
 
 import os
 import sys
@@ -146,3 +148,58 @@ def test_meta_device_build_trains_bitwise_as_a_cpu_build():
         assert "still on the meta device" in out["forward_on_meta"] and "to_empty(device='cpu')" in out["forward_on_meta"]
         assert out["cast"].startswith("NotImplementedError") and "before fully_shard" in out["cast"], out["cast"]
         assert out["same_device"] == "no error", out["same_device"]
+
+
+def _fsdp1_rank(rank, world_size):
+    """torch's FSDP1 and pydist's, each on a model built on the meta device
+    (materialized by the wrapper's reset_parameters walk) and on the CPU;
+    and pydist's on llama-recipes' flow: rank 0 builds on the CPU, the others
+    on meta with a to_empty param_init_fn, and sync_module_states broadcasts
+    rank 0's values (torch's FSDP1 refuses sync_module_states on the CPU)."""
+    import pydist
+    from fsdp_harness import Block, Scenario, _full_params, make_batch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    sc = Scenario(api="fsdp1", model="nested")
+    out = {}
+    for flow in ("meta", "cpu", "init_fn"):
+        for impl in ("torch", "pydist") if flow != "init_fn" else ("pydist",):
+            torch.manual_seed(0)
+            kwargs = dict(auto_wrap_policy=ModuleWrapPolicy({Block, nn.Sequential}), device_id=torch.device("cpu"),
+                          use_orig_params=True)
+            if flow == "meta" or (flow == "init_fn" and rank != 0):
+                with torch.device("meta"):
+                    model = Nested()
+            else:
+                model = Nested()
+            if flow == "init_fn":
+                kwargs["sync_module_states"] = True
+                if rank != 0:
+                    kwargs["param_init_fn"] = lambda m: m.to_empty(device=torch.device("cpu"), recurse=False)
+            cls = FullyShardedDataParallel if impl == "torch" else pydist.FullyShardedDataParallel
+            model = cls(model, **kwargs)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(3):
+                x, y = make_batch(sc, rank, step, 0)
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            out[flow, impl] = (losses, _full_params(impl, sc, model))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp1_materializes_a_meta_model_as_torchs_fsdp1():
+    for rank, out in enumerate(run_ranks(_fsdp1_rank, 2, timeout=100)):
+        # llama-recipes' flow starts from rank 0's CPU build: the CPU flow's model.
+        for flow, ref in (("meta", ("meta", "torch")), ("cpu", ("cpu", "torch")), ("init_fn", ("cpu", "torch"))):
+            (ref_losses, ref_params), (losses, params) = out[ref], out[flow, "pydist"]
+            assert losses == ref_losses, (rank, flow, losses, ref_losses)
+            assert params.keys() == ref_params.keys(), (rank, flow)
+            for key in params:
+                assert torch.equal(params[key], ref_params[key]), (rank, flow, key)
+        assert out["meta", "pydist"][0] != out["cpu", "pydist"][0]  # two different initializations
