@@ -203,3 +203,31 @@ def test_fsdp1_materializes_a_meta_model_as_torchs_fsdp1():
             for key in params:
                 assert torch.equal(params[key], ref_params[key]), (rank, flow, key)
         assert out["meta", "pydist"][0] != out["cpu", "pydist"][0]  # two different initializations
+
+
+def _resume_rank(rank, world_size, path):
+    """Resuming from a DCP checkpoint into a model built on the meta device:
+    to_empty, then ``sd = model.state_dict(); dcp.load(sd); model.load_state_dict(sd)``
+    (the state dict shards the unit: its shard is what dcp.load writes into)."""
+    import torch.distributed.checkpoint as dcp
+    from pydist.fsdp import full_state_dict
+
+    trained = _build(on_meta=False)
+    _train(trained, rank)
+    dcp.save(trained.state_dict(), checkpoint_id=path)
+    with torch.device("meta"):
+        resumed = Nested()
+    resumed = _shard(resumed, on_meta=False)  # fully_shard on meta; no init: the checkpoint is the init
+    resumed.to_empty(device="cpu")
+    sd = resumed.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    resumed.load_state_dict(sd)
+    expected, got = full_state_dict(trained), full_state_dict(resumed)
+    x = torch.randn(3, IN)
+    return expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), \
+        torch.equal(trained(x), resumed(x))
+
+
+@pytest.mark.timeout(120)
+def test_meta_device_build_resumes_from_a_checkpoint(tmp_path):
+    assert run_ranks(_resume_rank, 2, args=(str(tmp_path / "ckpt"),), timeout=100) == [(True, True), (True, True)]
