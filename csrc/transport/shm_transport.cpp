@@ -701,7 +701,8 @@ void ShmTransport::check_same_call() const {
     TORCH_CHECK(same, "shared-memory transport (", name_, "): the ranks issued different collectives: rank ", rank_,
                 " runs ", describe(me), ", rank ", q, " runs ", describe(peer),
                 ". Every rank must issue the same collectives in the same order: run the same modules in forward "
-                "and backward on every rank (a unit or bucket skipped on some ranks breaks this)");
+                "and backward on every rank (a unit or bucket skipped on some ranks breaks this, and so does an "
+                "exception in a forward or backward that some ranks caught and trained on)");
   }
 }
 

@@ -16,7 +16,8 @@ shared memory (``pydist-shm``), pydist's DDP through the gloo group
 the sharded wrappers, each Linear a unit: ``pydist-fsdp-shm``,
 ``pydist-fsdp-gloo`` (pydist.fully_shard with shm=True / False) and
 ``torch-fsdp`` (torch's fully_shard). ``--where forward`` faults inside the
-second Linear's forward instead of between steps.
+second Linear's forward instead of between steps, ``--where backward`` in the
+first Linear's backward.
 
 Columns: seconds from the fault to the end of the whole job (``hang`` past
 the cap), the launcher's exit code, the first error a surviving rank printed,
@@ -40,7 +41,7 @@ SCENARIOS = ["kill9", "exception", "straggler", "early_exit", "caught"]
 LAUNCHERS = ["manual", "torchrun", "mpiexec"]
 WRAPPERS = ["pydist-shm", "pydist-gloo", "torch"]
 FSDP_WRAPPERS = ["pydist-fsdp-shm", "pydist-fsdp-gloo", "torch-fsdp"]  # run when named with --wrapper
-WHERE = ["step", "forward"]
+WHERE = ["step", "forward", "backward"]
 TIMEOUT_S = 10  # the process group's timeout
 CAP_S = 120  # a job still running this long after its fault counts as a hang
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

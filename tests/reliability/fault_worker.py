@@ -4,9 +4,11 @@
 
 Every rank joins with ``pydist.init_process_group(backend="gloo")``, wraps a
 small MLP in WRAPPER and trains; at step FAULT_STEP rank FAULT_RANK does
-SCENARIO, WHERE: ``step`` (between steps, the default) or ``forward``
+SCENARIO, WHERE: ``step`` (between steps, the default), ``forward``
 (inside the second Linear's forward: under a sharded wrapper the others are
-then waiting in a gather of that forward's plan, collectives in flight).
+then waiting in a gather of that forward's plan, collectives in flight) or
+``backward`` (in the first Linear's backward, after the second's gradients
+went out).
 Lines on stdout, for the driver:
   PID <rank> <pid>             at start (to find this job's /dev/shm segments)
   FAULT <unix time>            on the faulting rank, just before the fault
@@ -68,9 +70,17 @@ def fault_in_forward(module, args):
         fault()
 
 
-if where == "forward":
+def fault_in_backward(module, grad_output):
+    if rank == FAULT_RANK and step == FAULT_STEP:
+        fault()
+
+
+if where in ("forward", "backward"):
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    layers[1].register_forward_pre_hook(fault_in_forward)
+    if where == "forward":
+        layers[1].register_forward_pre_hook(fault_in_forward)
+    else:
+        layers[0].register_full_backward_pre_hook(fault_in_backward)
 
 
 

@@ -54,3 +54,19 @@ def test_sharded_job_ends_when_one_rank_catches_an_exception_in_forward(tmp_path
     assert row["leftovers"] == 0, row
     assert "ran different fully_shard'ed units" in row["message"], row
     assert "different forwards of the root (rank 0: #6, rank 1: #7)" in row["message"], row
+
+
+@pytest.mark.timeout(150)
+def test_sharded_job_ends_when_one_rank_catches_an_exception_in_backward(tmp_path):
+    """The same in backward, on shared memory: rank 1 abandons its backward
+    with reduce-scatters still to issue and begins its next forward, whose
+    first collective meets rank 0's next reduce-scatter. The transport
+    compares every call's kind and size across the ranks, so both stop there,
+    naming the two calls. (On gloo, pydist's and torch's, the ranks wait out
+    the group's timeout instead.)"""
+    row = fault_matrix.run_cell("manual", "caught", "pydist-fsdp-shm", str(tmp_path), where="backward", cap_s=30)
+    assert not row["hang"], row
+    assert row["seconds"] is not None and row["seconds"] < fault_matrix.TIMEOUT_S / 2, row
+    assert all(rc != 0 for rc in row["rc"]), row
+    assert row["leftovers"] == 0, row
+    assert "the ranks issued different collectives: rank 0 runs reduce-scatter" in row["message"], row
