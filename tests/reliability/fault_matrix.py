@@ -8,9 +8,9 @@ Each cell runs a 2-rank job of fault_worker.py (gloo process group, timeout
 TIMEOUT_S) in which rank 1 faults at step 5: ``kill9`` (SIGKILL), ``exception``
 (uncaught RuntimeError), ``straggler`` (sleeps 10x the timeout), ``early_exit``
 (``sys.exit(0)`` mid-training), ``caught`` (a RuntimeError the rank's training
-loop catches, dropping that batch and training on). Launchers: ``manual`` (this script sets the
-torchrun variables and waits for the ranks one by one, as hand-written
-launchers do), ``torchrun``, ``mpiexec``. Wrappers: pydist's DDP through
+loop catches, dropping that batch and training on). Launchers: ``manual``
+(this script sets the torchrun variables and waits for the ranks one by one,
+as hand-written launchers do), ``torchrun``, ``mpiexec``. Wrappers: pydist's DDP through
 shared memory (``pydist-shm``), pydist's DDP through the gloo group
 (``pydist-gloo``), and torch's DDP (``torch``), in the same situations; and
 the sharded wrappers, each Linear a unit: ``pydist-fsdp-shm``,

@@ -83,7 +83,6 @@ if where in ("forward", "backward"):
         layers[0].register_full_backward_pre_hook(fault_in_backward)
 
 
-
 def train_step():
     if rank == FAULT_RANK and step == FAULT_STEP and where == "step":
         fault()
