@@ -670,7 +670,7 @@ class FSDPParamGroup:
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self._timings += (kind, "backward", self._reduce_issued, needed, completed)
-            self._hand_out_grads(reduce.output)
+            _hand_out_grads(reduce.output, [(self, 0)])
         # See [Note: resharding after backward]. (Most units resharded in their post-backward.)
         if self.sharded_state is not ShardedState.SHARDED:
             if self.reshard_after_backward or self.sharded_state is not ShardedState.UNSHARDED:
@@ -724,12 +724,6 @@ class FSDPParamGroup:
                 fp.unsharded_param.grad = None  # NO_SHARD: the parameter the optimizer sees
         self.reshard()  # waits for an all-gather in flight; gives back a pool slot
         self.training_state = TrainingState.IDLE
-
-    def _hand_out_grads(self, output: torch.Tensor) -> None:
-        """``output`` (this rank's reduced shard) split into the shards' ``.grad``."""
-        params, offsets = [], []
-        self.grads_to_hand_out(params, offsets, 0)
-        _C.hand_out_grads(output.to(self.dtype), params, offsets)
 
     # [Note: parameters without a gradient]
     # A parameter that gets no gradient on some ranks is packed as zeros from
@@ -789,6 +783,17 @@ class FSDPParamGroup:
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({self.label!r}, {len(self.fsdp_params)} params, total={self.total_numel}, "
                 f"shard={self.shard_numel}, {self.sharded_state.name}, {self.training_state.name})")
+
+
+def _hand_out_grads(output: torch.Tensor, units: list) -> None:
+    """``output`` (this rank's reduced shards, in the reduce dtype) split into
+    the shards' ``.grad`` in one C++ call: ``units`` are (unit, where its part
+    of ``output`` starts), units of one dtype; the output is cast once where
+    the reduce dtype is not the shards'."""
+    params, offsets = [], []
+    for pg, base in units:
+        pg.grads_to_hand_out(params, offsets, base)
+    _C.hand_out_grads(output.to(units[0][0].dtype), params, offsets)
 
 
 def _register(regs: list) -> None:
@@ -1035,12 +1040,8 @@ class GradBatch:
         needed = time.monotonic_ns()
         completed = self.future.wait()
         self.future = None
-        # The arrived members' parts, each at its column, in one C++ call (the
-        # output cast once where the reduce dtype is not the shards').
-        params, offsets = [], []
-        for pg in self.arrived:
-            pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
-        _C.hand_out_grads(self.output.to(self.members[0].dtype), params, offsets)
+        # The arrived members' parts, each at its column, in one C++ call.
+        _hand_out_grads(self.output, [(pg, self.columns[id(pg)]) for pg in self.arrived])
         for pg in self.arrived:
             pg._timings += ("reduce_scatter", "backward", self.issued_ns, needed, completed)
         self.input = self.output = None
