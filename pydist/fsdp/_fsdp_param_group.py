@@ -225,11 +225,9 @@ class FSDPParamGroup:
         self._unsharded_params: list[nn.Parameter] | None = (
             None if sharded else [fp.unsharded_param for fp in self.fsdp_params])
         self._accumulating = False
-        # The trainable parameters, and whether every parameter is one (then
-        # the gradients are one run of the flat layout when all are present);
-        # every parameter's numel, as the packing copy reads the layout.
-        self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
-        self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+        # The trainable parameters (_take_up_requires_grad); every
+        # parameter's numel, as the packing copy reads the layout.
+        self._take_up_requires_grad()
         self._numels = [fp.numel for fp in self.fsdp_params]
         # Each rank's part of the unsharded buffer, [q * shard_numel, ...):
         # what a batched all-gather copies into. Views, valid across resizes,
@@ -378,6 +376,7 @@ class FSDPParamGroup:
             if p.device.type == "cpu":
                 self.materializing = "full"
         self._sharded_regs = self._registrations("sharded_param")
+        self._take_up_requires_grad()
 
     def shard_materialized(self) -> None:
         """At the unit's first use: its full-size parameters (the user
@@ -395,8 +394,6 @@ class FSDPParamGroup:
         self.shard = self._shard_of([fp.sharded_param for fp in self.fsdp_params])
         for fp in self.fsdp_params:
             fp.sharded_param.data = self.shard.narrow(0, fp.local_start - self.shard_start, fp.local_numel)
-        self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
-        self._all_trainable = len(self._trainable) == len(self.fsdp_params)
         self.materializing = None
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
@@ -703,8 +700,14 @@ class FSDPParamGroup:
                     unsharded.requires_grad_(wanted)
                 changed = True
         if changed:
-            self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
-            self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+            self._take_up_requires_grad()
+
+    def _take_up_requires_grad(self) -> None:
+        """The trainable parameters, and whether every parameter is one (then
+        the gradients are one run of the flat layout when all are present),
+        from each FSDPParam's ``requires_grad``."""
+        self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        self._all_trainable = len(self._trainable) == len(self.fsdp_params)
 
     def abandon_iteration(self) -> None:
         """After an iteration raised (see [Note: an iteration that raised] in
