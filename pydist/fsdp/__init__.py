@@ -2,7 +2,7 @@
 
     pydist.fully_shard(module)                       # FSDP2's front door
     pydist.FullyShardedDataParallel(module, ...)     # FSDP1's
-    pydist.clip_grad_norm_(model.parameters(), 1.0)  # the global norm
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the global norm (as pydist.clip_grad_norm_)
     model.state_dict()                               # sharded: ShardedTensors, for torch.distributed.checkpoint
     pydist.fsdp.full_state_dict(model)               # full tensors, unwrapped keys
     pydist.fsdp.get_optimizer_state_dict(model, opt) # the optimizer's, sharded like the parameters
@@ -13,7 +13,8 @@ _fsdp_collectives.py (the collectives, through pydist.transport only),
 _fsdp_state.py (the hooks and the root's iteration), _fully_shard.py and
 _fully_sharded_data_parallel.py (the two front doors), _state_dict.py
 (sharded and full state dicts, the optimizer's, for torch.distributed.checkpoint),
-_utils.py (gradient clipping, memory accounting, per-unit records).
+_clip_grad.py (clipping by the global norm, torch's clip_grad_norm_ included),
+_utils.py (memory accounting, per-unit records).
 """
 
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
@@ -25,7 +26,8 @@ from pydist.fsdp._state_dict import (
     load_full_state_dict,
     set_optimizer_state_dict,
 )
-from pydist.fsdp._utils import clip_grad_norm_, last_iteration_record, persistent_bytes
+from pydist.fsdp._clip_grad import clip_grad_norm_
+from pydist.fsdp._utils import last_iteration_record, persistent_bytes
 
 __all__ = [
     "fully_shard",

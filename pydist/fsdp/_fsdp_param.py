@@ -10,10 +10,11 @@ falls in this rank's shard), possibly empty. So ``model.parameters()``
 outside forward and backward yields these 1-D local shards, their ``.grad``
 is this rank's slice of the averaged gradient, and optimizers that work
 element by element (SGD, Adam, AdamW...) step exactly as on the full
-tensors. Optimizers that need a parameter's shape (Shampoo, Muon) and
-``clip_grad_norm_`` need the global view: use ``pydist.clip_grad_norm_``;
-``pydist.fsdp.full_state_dict`` gives full tensors under the unwrapped
-module's keys.
+tensors. Optimizers that need a parameter's shape (Shampoo, Muon) need
+the global view: ``pydist.fsdp.full_state_dict`` gives full tensors under
+the unwrapped module's keys. ``clip_grad_norm_`` (torch's or pydist's) takes
+the norm over every rank's shards: see [Note: the global norm of sharded
+gradients] in _clip_grad.py.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class FSDPParam:
             shard.narrow(0, self.local_start - shard_start, self.local_end - self.local_start),
             requires_grad=param.requires_grad,
         )
-        self.sharded_param._pydist_fsdp_param = self  # how clip_grad_norm_ and state dicts find the unit
+        self.sharded_param._pydist_fsdp_param = self  # how state dicts find the unit
         # The full parameter, a view of the unit's unsharded buffer; made at
         # the first unshard (the buffer has no memory before) and kept.
         self.unsharded_param: nn.Parameter | None = None

@@ -86,6 +86,7 @@ import torch
 import torch.nn as nn
 
 from pydist import _C
+from pydist.fsdp import _clip_grad as clip_grad
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 
@@ -796,7 +797,10 @@ def _hand_out_grads(output: torch.Tensor, units: list) -> None:
     params, offsets = [], []
     for pg, base in units:
         pg.grads_to_hand_out(params, offsets, base)
-    _C.hand_out_grads(output.to(units[0][0].dtype), params, offsets)
+    output = output.to(units[0][0].dtype)
+    if units[0][0].sharded:  # see [Note: the global norm of sharded gradients] in _clip_grad.py
+        clip_grad.mark_shard_grads(output, units[0][0].transport)
+    _C.hand_out_grads(output, params, offsets)
 
 
 def _register(regs: list) -> None:

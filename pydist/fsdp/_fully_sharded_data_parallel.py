@@ -89,7 +89,7 @@ from pydist.fsdp._state_dict import (
     load_full_state_dict,
     optimizer_state_dict_to_load,
 )
-from pydist.fsdp._utils import clip_grad_norm_
+from pydist.fsdp._clip_grad import clip_grad_norm_
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload"]
 

@@ -1,20 +1,17 @@
-"""What needs the global view of sharded parameters: gradient clipping by
-the global norm, memory accounting, per-unit records (state dicts are in
+"""What needs the global view of sharded parameters: memory accounting,
+per-unit records (gradient clipping is in _clip_grad.py, state dicts in
 _state_dict.py)."""
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_state import FSDPState, state_of
 
-__all__ = ["clip_grad_norm_", "persistent_bytes", "PersistentBytes",
-           "last_iteration_record", "IterationRecord"]
+__all__ = ["persistent_bytes", "PersistentBytes", "last_iteration_record", "IterationRecord"]
 
 
 def _root_state(module: nn.Module) -> FSDPState:
@@ -28,53 +25,6 @@ def _root_state(module: nn.Module) -> FSDPState:
 
 def _units(module: nn.Module):
     return [s.param_group for m in module.modules() if (s := state_of(m)) is not None and s.param_group is not None]
-
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over the *global* gradients: the
-    norm of every rank's shards together (one small collective), plus the
-    gradients of parameters fully_shard does not manage, counted once.
-    Returns the total norm, the same on every rank."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    norm_type = float(norm_type)
-    sharded, replicated, transport = [], [], None
-    for p in params:
-        fp = getattr(p, "_pydist_fsdp_param", None)
-        if fp is not None and fp.param_group.sharded:
-            sharded.append(p.grad)
-            transport = fp.param_group.transport
-        else:
-            replicated.append(p.grad)
-    if not params:
-        return torch.tensor(0.0)
-    dtype = params[0].grad.dtype
-    if math.isinf(norm_type):
-        local = torch.stack([g.abs().max() for g in sharded if g.numel()] or [torch.zeros((), dtype=dtype)])
-        total = local.max()
-        if transport is not None:
-            total = collectives.all_gather_small(transport, total.reshape(1)).max()
-        for g in replicated:
-            total = torch.maximum(total, g.abs().max())
-    else:
-        def powsum(grads):
-            if not grads:
-                return torch.zeros((), dtype=dtype)
-            return torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]).pow(norm_type).sum()
-
-        total = powsum(sharded)
-        if transport is not None:
-            total = collectives.all_reduce_sum(transport, total.reshape(1)).reshape(())
-        total = (total + powsum(replicated)).pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"pydist.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return total
 
 
 class PersistentBytes(NamedTuple):

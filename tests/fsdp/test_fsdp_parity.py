@@ -8,7 +8,7 @@ units, root parameters before and after them), SGD with momentum and Adam,
 ``reshard_after_forward`` True and False, gradient accumulation through
 ``set_requires_gradient_sync(False)``, frozen and trainable parameters in one
 unit, a shape that pads badly per parameter, explicit forward/backward
-prefetch, the global gradient norm of ``pydist.clip_grad_norm_``, bf16
+prefetch, the global gradient norm of torch's ``clip_grad_norm_`` on the shards, bf16
 parameters with fp32 reduction (``MixedPrecisionPolicy``, with and without
 accumulation), and both transports (shared memory and the gloo group).
 The small models here go as one batched collective per pass by default
