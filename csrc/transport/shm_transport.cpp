@@ -738,13 +738,14 @@ void ShmTransport::check_peer(int64_t peer, Phase phase, uint32_t piece,
               " and aborted the transport");
   const ShmRankBlock& block = segment_->ranks[peer];
   TORCH_CHECK(load(&block.state) != kDetached, where, "rank ", peer,
-              " has shut its end down (its DistributedDataParallel was destroyed, or its process is exiting)");
+              " has shut its end down (the wrapper that opened the transport was destroyed or its process is exiting; an "
+              "error on that rank, if any, is the cause)");
   if (block.pid_ns != 0 && block.pid_ns == segment_->ranks[rank_].pid_ns) {
     TORCH_CHECK(!process_gone(block.pid), where, "its process (pid ", block.pid, ") has exited");
   }
   TORCH_CHECK(!stopping_, where, "this rank is shutting its transport down");
   TORCH_CHECK(std::chrono::steady_clock::now() < deadline, where, "rank ", peer, " did not arrive within the timeout of ",
-              timeout_.count(), " ms (ranks calling all-reduce in different orders or sizes, or one stuck)");
+              timeout_.count(), " ms (ranks issuing collectives in different orders or sizes, or one stuck)");
 }
 
 }  // namespace pydist
