@@ -27,11 +27,11 @@ from fsdp_harness import IN, Nested  # noqa: E402
 NORMS = (2.0, 1.0, 3.0, math.inf)
 
 
-def _grads_after_backward(model: nn.Module, rank: int) -> list:
+def _grads_after_backward(model: nn.Module, rank: int, dtype: torch.dtype = torch.float32) -> list:
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(100 + rank)  # each rank its own data: the shards' gradients differ by rank
-    model(torch.randn(4, IN)).pow(2).sum().backward()
+    model(torch.randn(4, IN, dtype=dtype)).float().pow(2).sum().backward()
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
@@ -43,11 +43,11 @@ def _oracle(local: list, norm_type: float, replicated: list = ()) -> float:
     return float(torch.linalg.vector_norm(flat.double(), norm_type))
 
 
-def _sharded_model(shm: bool) -> nn.Module:
+def _sharded_model(shm: bool, dtype: torch.dtype = torch.float32) -> nn.Module:
     from pydist import fully_shard
 
     torch.manual_seed(0)
-    model = Nested()
+    model = Nested().to(dtype)
     for unit in model.units():
         fully_shard(unit, shm=shm)
     return fully_shard(model, shm=shm)
@@ -83,6 +83,12 @@ def _clip_rank(rank: int, world_size: int) -> dict:
             out[(shm, name, "norm after clipping")] = (_oracle(grads, 2.0), max_norm)
         with pytest.raises(NotImplementedError, match="0.0-norm of sharded gradients"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=0)
+        # bf16 parameters: their norm is bf16, reduced over the transport in bf16.
+        model = _sharded_model(shm, torch.bfloat16)
+        grads = _grads_after_backward(model, rank, torch.bfloat16)
+        norm = torch.nn.utils.get_total_norm(grads)
+        assert norm.dtype == torch.bfloat16
+        out[(shm, "bf16", 2.0)] = (float(norm), _oracle(grads, 2.0), 1e-2)
     # A tensor pydist did not reduce goes to torch's own, unchanged.
     plain = [torch.arange(6.0) - 2.5, torch.ones(3)]
     from pydist.fsdp._clip_grad import _torch_total_norm
@@ -95,13 +101,13 @@ def _clip_rank(rank: int, world_size: int) -> dict:
 def test_torchs_clip_grad_norm_clips_pydist_shards_by_the_global_norm():
     results = run_ranks(_clip_rank, 2, timeout=100)
     for rank, out in enumerate(results):
-        for key, (got, want) in out.items():
+        for key, (got, want, *rtol) in out.items():
             if key[1:2] == ("this rank's alone",):
                 # the old behaviour is a different number: the test can tell them apart
                 assert got < want * (1 - 1e-3), (rank, key, got, want)
             else:
-                assert got == pytest.approx(want, rel=1e-5), (rank, key, got, want)
-    for key, (got, _) in results[0].items():
+                assert got == pytest.approx(want, rel=rtol[0] if rtol else 1e-5), (rank, key, got, want)
+    for key, (got, *_) in results[0].items():
         if key[1:2] != ("this rank's alone",):
             assert results[1][key][0] == got, ("the ranks' norms differ", key)
 
