@@ -344,8 +344,12 @@ transport::Future Reducer::all_reduce(size_t bucket_index, const at::Tensor& buf
   return transport_->all_reduce_bucket(piece, scale, whole);
 }
 
+at::Tensor Reducer::used_map_for_collective() const {
+  return local_used_.to(params_.front().device(), /*non_blocking=*/false, /*copy=*/true);
+}
+
 void Reducer::launch_local_used_allreduce() {
-  used_in_flight_ = local_used_.clone();
+  used_in_flight_ = used_map_for_collective();
   std::vector<at::Tensor> tensors{used_in_flight_};
   local_used_work_ = process_group_->allreduce(tensors);
 }
@@ -383,7 +387,8 @@ void Reducer::finalize_backward() {
   if (local_used_work_) {
     local_used_work_->wait();
     local_used_work_.reset();
-    global_used_ = std::move(used_in_flight_);
+    global_used_ = used_in_flight_.to(at::kCPU);
+    used_in_flight_.reset();
   }
   // Chunk by chunk: results of early chunks are written back while later
   // ones are still on the wire.
@@ -435,7 +440,7 @@ void Reducer::match_all_reduce_for_bwd_pass() {
 void Reducer::match_unused_params_allreduce() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!dynamic_find_unused()) return;  // active ranks launch no used-map reduction then
-  std::vector<at::Tensor> tensors{local_used_.clone()};
+  std::vector<at::Tensor> tensors{used_map_for_collective()};
   process_group_->allreduce(tensors)->wait();
 }
 

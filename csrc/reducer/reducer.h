@@ -268,6 +268,7 @@ class Reducer {
   void check_state(ReducerState expected, const char* where) const;
   void check_before_first_backward(const char* what) const;
   void reset_for_backward();
+  at::Tensor used_map_for_collective() const;
   void launch_local_used_allreduce();
   transport::Future all_reduce(size_t bucket_index, const at::Tensor& buffer, const Chunk& chunk, double scale);
   std::string describe_unready_params() const;
@@ -305,10 +306,13 @@ class Reducer {
 
   // find_unused_parameters / static_graph: which params got a gradient.
   // Accumulates across no_sync iterations; reset after each reduction.
+  // The map lives on the CPU (the hooks write it); its copy is all-reduced
+  // on the parameters' device, which is where the group runs collectives
+  // (NCCL takes no CPU tensors), and comes back to the CPU when done.
   at::Tensor local_used_;               // int32 [num params] on CPU
-  at::Tensor used_in_flight_;           // its copy being all-reduced, with:
+  at::Tensor used_in_flight_;           // its copy being all-reduced, on the parameters' device, with:
   c10::intrusive_ptr<c10d::Work> local_used_work_;
-  at::Tensor global_used_;              // the last reduced map; undefined until there is one
+  at::Tensor global_used_;              // the last reduced map, on CPU; undefined until there is one
 
   // static_graph: gradient hook calls per parameter, counted in the first
   // iteration (a parameter used twice, or checkpointed reentrantly, fires

@@ -88,14 +88,16 @@ def rebuilt_buckets(params: Sequence[torch.Tensor], ready_order: Sequence[int], 
     return assign_by_size(params, order, [first_cap, cap])
 
 
-def agree_on_buckets(buckets: list[list[int]], num_params: int, group) -> list[list[int]]:
+def agree_on_buckets(buckets: list[list[int]], num_params: int, group, device: torch.device) -> list[list[int]]:
     """Every rank adopts rank 0's assignment: one broadcast of
-    [number of buckets, each bucket's length..., the indices...]."""
-    packed = torch.full((1 + 2 * num_params,), -1, dtype=torch.int64)
+    [number of buckets, each bucket's length..., the indices...], on the
+    model's ``device``: a group may serve only that device (NCCL has no CPU
+    tensors)."""
+    packed = torch.full((1 + 2 * num_params,), -1, dtype=torch.int64, device=device)
     if dist.get_rank(group) == 0:
         flat = [i for b in buckets for i in b]
         data = [len(buckets)] + [len(b) for b in buckets] + flat
-        packed[: len(data)] = torch.tensor(data, dtype=torch.int64)
+        packed[: len(data)] = torch.tensor(data, dtype=torch.int64, device=device)
     dist.broadcast(packed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     values = packed.tolist()
     count, lengths = values[0], values[1 : 1 + values[0]]

@@ -402,7 +402,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if order is None:
             return
         mine = bucketing.rebuilt_buckets(self._params, order, self.first_bucket_bytes_cap, self.bucket_bytes_cap)
-        self.reducer.rebuild_buckets(bucketing.agree_on_buckets(mine, len(self._params), self.process_group))
+        self.reducer.rebuild_buckets(bucketing.agree_on_buckets(mine, len(self._params), self.process_group, self.device))
 
     @property
     def _has_rebuilt_buckets(self) -> bool:

@@ -75,11 +75,12 @@ class Scenario:
     perturb_buffers: bool = False  # add `rank` to every float buffer before wrapping
     micro_steps: int = 1  # micro-batches per step; all but the last run under no_sync()
     hook: str | None = None  # None, "fp16", "bf16", "powersgd" or "probe"
-    autocast_bf16: bool = False  # forward under torch.autocast("cpu", dtype=torch.bfloat16)
+    autocast_bf16: bool = False  # forward under torch.autocast(<device type>, dtype=torch.bfloat16)
     branch_schedule: bool = False  # `branch` model: skip the branch on some ranks/steps (see use_branch)
     join: str | None = None  # None, "context", "context_nodiv" or "method"; ranks get uneven batches
     integer_data: bool = False  # integer-valued inputs and a linear loss: exact integer gradients
     grads_to_none: bool = True  # optimizer.zero_grad(set_to_none=...) after every step
+    device: str = "cpu"  # "cuda": model and data on cuda:0, which every rank shares (tests/ddp/test_ddp_cuda.py)
 
 
 class BucketRecord(NamedTuple):
@@ -245,7 +246,7 @@ def build_local_model(sc: Scenario, rank: int):
             for b in module.buffers():
                 if b.is_floating_point():
                     b.add_(rank)
-    return module
+    return module.to(sc.device)
 
 
 def wrap(impl: str, module, sc: Scenario):
@@ -255,8 +256,13 @@ def wrap(impl: str, module, sc: Scenario):
     return ddp_class(impl)(module, **kwargs)
 
 
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the CPU, so that results leave the rank as plain bytes."""
+    return t.detach().clone().cpu()
+
+
 def _snapshot_grads(module) -> dict:
-    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
+    return {n: (None if p.grad is None else _on_cpu(p.grad)) for n, p in module.named_parameters()}
 
 
 def _grad_storage_groups(module) -> list:
@@ -292,10 +298,10 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
     with _join_context(ddp, sc):
         for step in range(n_steps):
             for micro in range(sc.micro_steps):
-                x, y = make_batch(sc, rank, step, micro)
+                x, y = (t.to(sc.device) for t in make_batch(sc, rank, step, micro))
                 sync = micro == sc.micro_steps - 1
                 with contextlib.nullcontext() if sync else ddp.no_sync():
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sc.autocast_bf16):
+                    with torch.autocast(torch.device(sc.device).type, dtype=torch.bfloat16, enabled=sc.autocast_bf16):
                         if sc.branch_schedule:
                             out = ddp(x, use_branch=use_branch(step, rank, world_size))
                         else:
@@ -317,8 +323,8 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str) -> RunResult:
     result = RunResult(
         losses=losses,
         grads=grads,
-        params={n: p.detach().clone() for n, p in module.named_parameters()},
-        buffers={n: b.detach().clone() for n, b in module.named_buffers()},
+        params={n: _on_cpu(p) for n, p in module.named_parameters()},
+        buffers={n: _on_cpu(b) for n, b in module.named_buffers()},
         state_dict_keys=list(ddp.state_dict().keys()),
         buckets=probe.per_backward if probe is not None else [],
         grad_storage_groups=storage_groups,
@@ -369,11 +375,12 @@ def assert_transport(results, transport: str) -> None:
             assert got == transport, f"rank {rank} scenario {i}: pydist all-reduced on {got}, not {transport}"
 
 
-def run_parity(scenarios, world_size: int, timeout: float = 120.0):
+def run_parity(scenarios, world_size: int, timeout: float = 120.0, backend: str = "gloo"):
     """Spawns the ranks; returns ``results[rank][scenario_index][impl]``."""
     from pydist.spawn import run_ranks
 
-    return [unpack(b) for b in run_ranks(run_scenarios, world_size, args=(list(scenarios),), timeout=timeout)]
+    ranks = run_ranks(run_scenarios, world_size, args=(list(scenarios),), backend=backend, timeout=timeout)
+    return [unpack(b) for b in ranks]
 
 
 # --------------------------------------------------------------------------
