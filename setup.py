@@ -52,7 +52,29 @@ def find_cxx():
             f"no C++ compiler found (looked for '{cxx}' on PATH; set CXX to override). "
             "Install g++ (Debian/Ubuntu: apt-get install g++)."
         )
+    check_shared_libstdcxx(cxx)
     return cxx
+
+
+def check_shared_libstdcxx(cxx):
+    """pydist._C must use the libstdc++ that torch has already loaded. A
+    compiler that finds no libstdc++.so (a toolchain set up for static
+    binaries) links a private static copy into the extension instead, and the
+    two copies' iostream state clash: the build succeeds and the extension
+    crashes the first time it formats a number into a message."""
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return  # a compiler that cannot say (not GCC or Clang): nothing to check
+    if not os.path.isabs(found):
+        fail(
+            f"the C++ compiler '{cxx}' finds no shared libstdc++ (-print-file-name=libstdc++.so gives "
+            f"'{found}'), so it would link a static copy into pydist._C beside the one torch loads, and the "
+            "extension would crash. Build with a compiler that has the shared library, for example:\n"
+            "  CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED='/usr/bin/g++ -shared' "
+            "pip install --no-build-isolation -e ."
+        )
 
 
 def nvcc_version(cuda_home):

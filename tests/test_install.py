@@ -59,3 +59,20 @@ def test_pip_install_in_a_fresh_venv_with_and_without_wheel(tmp_path):
     path, version, extras, has_wheel = install("-e", str(src))[:4]
     assert path == str(src / "pydist" / "__init__.py")
     assert (version, extras, has_wheel) == ("0.1.0", "['dev', 'mpi']", "True")
+
+
+@pytest.mark.timeout(120)
+def test_setup_refuses_a_compiler_that_would_link_libstdcxx_statically(tmp_path):
+    """A toolchain with only libstdc++.a builds an extension that crashes
+    inside torch's process (seen on a GPU image whose g++ wrapper finds no
+    libstdc++.so): setup.py refuses it before compiling, naming CXX."""
+    cxx = tmp_path / "g++"
+    cxx.write_text('#!/bin/sh\ncase "$1" in -print-file-name=*) echo "${1#-print-file-name=}";; '
+                   '*) exec g++ "$@";; esac\n')
+    cxx.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(CXX=str(cxx), PYDIST_CUDA="0")
+    done = subprocess.run([sys.executable, "setup.py", "--version"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode != 0, done.stdout
+    assert f"the C++ compiler '{cxx}' finds no shared libstdc++" in done.stderr, done.stderr
