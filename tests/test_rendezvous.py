@@ -17,8 +17,11 @@ import time
 
 import pytest
 
-from pydist.rendezvous import LAUNCHERS, LauncherConflict, LauncherNotFound, detect, first_slurm_host
+from pydist.rendezvous import LAUNCHERS, LauncherConflict, LauncherNotFound, detect, first_slurm_host, resolve_backend
 
+# What init_process_group() joins with no backend named: gloo, and NCCL for
+# CUDA tensors on a machine with CUDA.
+DEFAULT_BACKEND = resolve_backend(None)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_VARS = [
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
@@ -249,8 +252,8 @@ def test_two_ranks_with_torchrun_variables():
         assert rc == 0, stderr
         got = json.loads(stdout.strip().splitlines()[-1])
         env = got.pop("env")
-        assert got == dict(rank=rank, world_size=2, local_rank=rank, backend="gloo", launcher="torchrun", total=3.0,
-                           local_world_size=2)
+        assert got == dict(rank=rank, world_size=2, local_rank=rank, backend=DEFAULT_BACKEND, launcher="torchrun",
+                           total=3.0, local_world_size=2)
         assert env == dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
@@ -364,8 +367,9 @@ def test_init_method_without_launcher(tmp_path):
     """)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == dict(rank=0, world_size=1, local_rank=0, backend="gloo",
-                                                            launcher="init_method", local_world_size=1)
+    assert json.loads(done.stdout.splitlines()[-1]) == dict(rank=0, world_size=1, local_rank=0,
+                                                            backend=DEFAULT_BACKEND, launcher="init_method",
+                                                            local_world_size=1)
 
 
 def test_importing_pydist_does_not_start_mpi():

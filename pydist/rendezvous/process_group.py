@@ -48,7 +48,7 @@ class InitResult(NamedTuple):
     rank: int
     world_size: int
     local_rank: int
-    backend: str  # the torch.distributed backend name in use ("gloo", "nccl", "mpi4py", "mpi")
+    backend: str  # the torch.distributed backend in use ("gloo", "nccl", "cpu:gloo,cuda:nccl", "mpi4py", "mpi")
     launcher: str  # LaunchInfo.launcher, or "init_method" when only a URL was given
     local_world_size: int  # ranks on this host (torchrun's LOCAL_WORLD_SIZE)
 
@@ -58,10 +58,13 @@ _attempts = itertools.count()  # [Note: one key space per attempt]
 
 
 def resolve_backend(backend: str | None) -> str:
-    """None -> nccl with CUDA, else gloo. "mpi" -> torch's own MPI backend when
-    torch was built with one, else pydist's mpi4py backend (registered here)."""
+    """None -> gloo for CPU tensors, and NCCL for CUDA tensors where CUDA is
+    available ("cpu:gloo,cuda:nccl", torch's own default), so CPU training
+    and pydist's CPU collectives work on a machine with GPUs too. "mpi" ->
+    torch's own MPI backend when torch was built with one, else pydist's
+    mpi4py backend (registered here)."""
     if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     name = backend.lower()
     if name == "mpi" and dist.is_mpi_available():
         return "mpi"
@@ -341,7 +344,8 @@ def wait_for_ranks(store, rank: int, world_size: int, timeout: datetime.timedelt
 def init_process_group(backend: str | None = None, timeout=None, init_method: str | None = None) -> InitResult:
     """Join the default process group, whatever launched this process.
 
-    ``backend``: None (nccl with CUDA, else gloo), any torch backend name, or
+    ``backend``: None (gloo, plus NCCL for CUDA tensors where CUDA is
+    available: see ``resolve_backend``), any torch backend name, or
     "mpi" (torch's MPI backend if built in, else pydist's mpi4py backend).
     ``timeout``: seconds or a timedelta, for the rendezvous and the group.
     ``init_method``: a torch URL (``tcp://``, ``file://``) used instead of the
