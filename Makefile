@@ -38,7 +38,7 @@ test-mpi: install
 # the same training under torch's DDP: losses, the largest parameter
 # difference, replicas equal, samples/s, and pydist's overlap record.
 demo: install
-	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2 examples/train.py \
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2 examples/train.py --device cpu \
 		--epochs 3 --bucket-cap-mb 2 --compare-torch
 
 bench: install

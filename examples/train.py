@@ -70,6 +70,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import pydist
+from pydist.rendezvous import detect
 from datautils import ModelConfig, build_model, corpus_vocabulary, loss_fn, make_dataset
 from snapshots import SnapshotMismatch, capture_rng_state, check_fits, load_bytes, restore_rng_state, save_atomic
 
@@ -91,8 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ddp", choices=("pydist", "torch"), default="pydist", help="which DDP wraps the model")
     parser.add_argument("--fsdp", action="store_true", help="shard the model with pydist.fully_shard (each block a "
                         "unit, then the root) instead of wrapping it in DDP")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where each rank trains; auto: its own GPU when every rank on this host can have "
+                        "one (and not --fsdp, which shards CPU parameters), else the CPU")
     parser.add_argument("--backend", default=None,
-                        help="torch.distributed backend: gloo, nccl, mpi (default: nccl with CUDA, else gloo)")
+                        help="torch.distributed backend: gloo, nccl, mpi (default: nccl on CUDA, else gloo)")
     parser.add_argument("--epochs", type=int, default=3, help="total epochs (a resumed job runs the rest)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -122,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in DEFAULTS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.device == "cuda" and (args.fsdp or not torch.cuda.is_available()):
+        parser.error("--device cuda needs a CUDA device, and --fsdp shards CPU parameters only")
     if args.save_every < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--epochs, --batch-size and --save-every must be at least 1")
     return args
@@ -140,10 +146,24 @@ class Job(NamedTuple):
     launcher: str
 
 
+def pick_device(args: argparse.Namespace) -> str:
+    """--device auto: a GPU per rank when this host has one for each of its
+    ranks (NCCL refuses two ranks on one GPU), else the CPU."""
+    if args.device != "auto":
+        return args.device
+    if args.fsdp or not torch.cuda.is_available():
+        return "cpu"
+    info = detect(required=False)
+    ranks_here = (info.local_world_size or info.world_size or 1) if info else 1
+    return "cuda" if ranks_here <= torch.cuda.device_count() else "cpu"
+
+
 def join_job(args: argparse.Namespace) -> Job:
     """Join the process group under whatever launcher started us."""
-    result = pydist.init_process_group(backend=args.backend, timeout=args.timeout)
-    if torch.cuda.is_available():  # pydist has set the current device from the local rank
+    on = pick_device(args)
+    backend = args.backend or ("nccl" if on == "cuda" else "gloo")
+    result = pydist.init_process_group(backend=backend, timeout=args.timeout)
+    if on == "cuda":  # pydist has set the current device from the local rank
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
