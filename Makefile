@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := build/.pydist-installed
 SOURCES := $(shell find csrc pydist -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt
 
-.PHONY: install test test-spawn test-mpi demo bench clean
+.PHONY: install test test-spawn test-mpi demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -45,6 +45,16 @@ bench: install
 	$(PYTHON) benchmarks/bench_flatten.py
 	$(PYTHON) benchmarks/bench_collectives.py
 	$(PYTHON) benchmarks/bench_ddp.py
+
+# On a machine with a GPU: what CI cannot run. Builds the CUDA kernels in
+# place (PYDIST_CUDA=1: a missing toolkit is an error), then the CUDA-marked
+# tests (ops, DDP on CUDA beside torch over gloo and NCCL, the example's AMP),
+# the kernels' torch-free self-test and the flatten bandwidth on the device.
+gpu-check:
+	PYDIST_CUDA=1 $(PYTHON) setup.py build_ext --inplace
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m cuda tests -p no:cacheprovider
+	cmake -S . -B build/cmake && cmake --build build/cmake --target flatten_selftest && ./build/cmake/flatten_selftest
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_flatten.py --device cuda
 
 clean:
 	rm -rf build pydist/_C*.so *.egg-info
