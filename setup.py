@@ -61,7 +61,10 @@ def check_shared_libstdcxx(cxx):
     compiler that finds no libstdc++.so (a toolchain set up for static
     binaries) links a private static copy into the extension instead, and the
     two copies' iostream state clash: the build succeeds and the extension
-    crashes the first time it formats a number into a message."""
+    crashes the first time it formats a number into a message. (Linux only:
+    elsewhere the C++ runtime is not libstdc++.)"""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
                                check=True).stdout.strip()
