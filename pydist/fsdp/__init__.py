@@ -26,8 +26,12 @@ from pydist.fsdp._state_dict import (
     load_full_state_dict,
     set_optimizer_state_dict,
 )
-from pydist.fsdp._clip_grad import clip_grad_norm_
+from pydist.fsdp._clip_grad import clip_grad_norm_, install as _install_global_norm
 from pydist.fsdp._utils import last_iteration_record, persistent_bytes
+
+# At import, before a script's own `from torch.nn.utils import get_total_norm`
+# can bind torch's: see [Note: the global norm of sharded gradients].
+_install_global_norm()
 
 __all__ = [
     "fully_shard",

@@ -15,10 +15,13 @@ into those of each transport and the rest (NO_SHARD units' gradients,
 parameters fully_shard does not manage: the same on every rank, counted
 once), takes torch's own norm of each part on this rank, reduces the
 sharded parts over their transports as FSDP2 does, and combines the parts.
-The first ``fully_shard`` puts it in place of the function torch's
+Importing pydist puts it in place of the function torch's
 ``clip_grad_norm_`` and ``torch.nn.utils.get_total_norm`` compute with
-(``install``), so a script whose only change is the import clips as it did
-under FSDP2; tensors without a mark go to torch's function unchanged.
+(``install``, from pydist/fsdp/__init__.py), so a script whose only change
+is the import clips as it did under FSDP2, and a ``get_total_norm`` it
+imports by name after pydist is this one; tensors without a mark go to
+torch's function unchanged (a DDP-only job pays one attribute look-up per
+tensor).
 Like FSDP2's, the norm of sharded gradients is a collective: every rank
 calls it, with the same parameters in the same order.
 """

@@ -21,7 +21,6 @@ from typing import Iterable
 import torch.distributed as dist
 import torch.nn as nn
 
-from pydist.fsdp import _clip_grad as clip_grad
 from pydist.fsdp._fsdp_param import ParamModuleInfo
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup
 from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES, FSDPState, state_of
@@ -49,9 +48,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     ``shard_placement_fn``,
     ``ignored_params``, an int ``reshard_after_forward`` and meshes of more
     than one dimension raise ``NotImplementedError`` naming them. ``shm``
-    (pydist's own) picks the transport: see ``open_transport``. From the
-    first call on, torch's ``clip_grad_norm_`` clips sharded gradients by
-    their global norm (see [Note: the global norm of sharded gradients])."""
+    (pydist's own) picks the transport: see ``open_transport``. torch's
+    ``clip_grad_norm_`` clips the sharded gradients by their global norm
+    (see [Note: the global norm of sharded gradients])."""
     MixedPrecisionPolicy, OffloadPolicy = _torch_policies()
     _refuse(shard_placement_fn is not None, "shard_placement_fn")
     _refuse(ignored_params, "ignored_params")
@@ -77,7 +76,6 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         )
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
     register_state_dict_hooks(module)  # see [Note: the sharded state dict]
-    clip_grad.install()
     cls = module.__class__
     if not isinstance(module, FSDPModule):
         if cls not in _FSDP_CLASSES:

@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# Bound before any fully_shard, as a script's own imports are: it must clip
-# by the global norm all the same.
+# Bound before pydist is imported, as a script's own imports may be: it must
+# clip by the global norm all the same.
 from torch.nn.utils import clip_grad_norm_ as clip_imported_early
 
-from pydist.spawn import run_ranks
+import pydist  # noqa: E402,F401  before the next line: importing pydist installs the global norm
+from pydist.spawn import run_ranks  # noqa: E402
+from torch.nn.utils import get_total_norm as norm_imported_after_pydist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,6 +66,8 @@ def _clip_rank(rank: int, world_size: int) -> dict:
         for norm_type in NORMS:
             want = _oracle(grads, norm_type)
             out[(shm, "get_total_norm", norm_type)] = (float(torch.nn.utils.get_total_norm(grads, norm_type)), want)
+            out[(shm, "get_total_norm imported by name", norm_type)] = (
+                float(norm_imported_after_pydist(grads, norm_type)), want)
             out[(shm, "with a replicated tensor", norm_type)] = (
                 float(torch.nn.utils.get_total_norm(grads + [extra], norm_type)),
                 _oracle(grads, norm_type, [extra]))
@@ -73,7 +77,7 @@ def _clip_rank(rank: int, world_size: int) -> dict:
         # Clipping: torch's clip_grad_norm_ (however imported) and pydist's
         # return the global norm, and scale every rank's shards alike.
         for name, clip in (("torch.nn.utils.clip_grad_norm_", torch.nn.utils.clip_grad_norm_),
-                           ("imported before fully_shard", clip_imported_early),
+                           ("imported before pydist", clip_imported_early),
                            ("pydist.clip_grad_norm_", pydist.clip_grad_norm_)):
             grads = _grads_after_backward(model, rank)
             before = _oracle(grads, 2.0)
