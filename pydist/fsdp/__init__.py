@@ -14,6 +14,7 @@ _fsdp_state.py (the hooks and the root's iteration), _fully_shard.py and
 _fully_sharded_data_parallel.py (the two front doors), _state_dict.py
 (sharded and full state dicts, the optimizer's, for torch.distributed.checkpoint),
 _clip_grad.py (clipping by the global norm, torch's clip_grad_norm_ included),
+_grad_scaler.py (torch.amp.GradScaler's inf check over every rank's shards),
 _utils.py (memory accounting, per-unit records).
 """
 
@@ -27,11 +28,15 @@ from pydist.fsdp._state_dict import (
     set_optimizer_state_dict,
 )
 from pydist.fsdp._clip_grad import clip_grad_norm_, install as _install_global_norm
+from pydist.fsdp._grad_scaler import install as _install_shared_found_inf
 from pydist.fsdp._utils import last_iteration_record, persistent_bytes
 
 # At import, before a script's own `from torch.nn.utils import get_total_norm`
-# can bind torch's: see [Note: the global norm of sharded gradients].
+# can bind torch's: see [Note: the global norm of sharded gradients]; and
+# torch.amp.GradScaler's inf check over every rank's shards: see [Note: one
+# found_inf for every rank] in _grad_scaler.py.
 _install_global_norm()
+_install_shared_found_inf()
 
 __all__ = [
     "fully_shard",

@@ -37,7 +37,7 @@ import torch.nn.utils.clip_grad as _torch_clip_grad
 
 from pydist.fsdp import _fsdp_collectives as collectives
 
-__all__ = ["clip_grad_norm_", "total_norm", "mark_shard_grads", "install"]
+__all__ = ["clip_grad_norm_", "total_norm", "mark_shard_grads", "transport_of", "install"]
 
 # The attribute of a reduced output whose views are sharded gradients: the
 # transport it was reduced over. See [Note: the global norm of sharded gradients].
@@ -52,7 +52,8 @@ def mark_shard_grads(output: torch.Tensor, transport) -> None:
     setattr(output, _MARK, transport)
 
 
-def _transport_of(grad: torch.Tensor):
+def transport_of(grad: torch.Tensor):
+    """The transport that reduced ``grad`` if it is a shard's gradient, else None."""
     base = grad._base
     return getattr(base if base is not None else grad, _MARK, None)
 
@@ -67,7 +68,7 @@ def total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float 
     sharded: dict[int, tuple[object, list[torch.Tensor]]] = {}  # in first appearance: the same order on every rank
     rest = []
     for t in tensors:
-        transport = _transport_of(t)
+        transport = transport_of(t)
         if transport is None:
             rest.append(t)
         else:
@@ -107,8 +108,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     """``torch.nn.utils.clip_grad_norm_`` by the *global* norm: every rank's
     shards together (one small collective per transport), plus the
     gradients of parameters fully_shard does not manage, counted once.
-    Returns the total norm, the same on every rank. Since the first
-    ``fully_shard``, torch's ``clip_grad_norm_`` computes the same."""
+    Returns the total norm, the same on every rank. With pydist imported,
+    torch's ``clip_grad_norm_`` computes the same."""
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm = total_norm([p.grad for p in parameters if p.grad is not None], norm_type, error_if_nonfinite, foreach)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)
