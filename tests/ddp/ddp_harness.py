@@ -258,7 +258,7 @@ def wrap(impl: str, module, sc: Scenario):
 
 def _on_cpu(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` on the CPU, so that results leave the rank as plain bytes."""
-    return t.detach().clone().cpu()
+    return t.detach().to("cpu", copy=True)
 
 
 def _snapshot_grads(module) -> dict:
