@@ -15,6 +15,19 @@ the global view: ``pydist.fsdp.full_state_dict`` gives full tensors under
 the unwrapped module's keys. ``clip_grad_norm_`` (torch's or pydist's) takes
 the norm over every rank's shards: see [Note: the global norm of sharded
 gradients] in _clip_grad.py.
+
+[Note: the Parameter objects stay]
+The module's own ``nn.Parameter`` objects become those 1-D shards (their
+``.data`` re-pointed, as torch's FSDP1 does with ``use_orig_params=True``,
+and as a meta unit's are at its first use); NO_SHARD's keep their shape.
+torch's FSDP2 registers new DTensor parameters instead, so an optimizer
+built before ``fully_shard`` steps tensors the model no longer uses and the
+model silently never trains; under pydist (both front doors) it steps the
+shards, exactly as one built after, with the same
+param groups: a script that groups parameters by ``p.dim()`` (nanoGPT's
+``configure_optimizers``: weight decay for the matrices only) must build its
+groups before sharding, when the shapes are still the full ones, since
+afterwards every shard is 1-D. A ``.grad`` the parameter held is dropped.
 """
 
 from __future__ import annotations
@@ -63,10 +76,16 @@ class FSDPParam:
         self.local_end = max(min(offset + self.numel, shard_start + shard_numel), self.local_start)
         # The parameter the optimizer sees: a 1-D view of the shard buffer
         # (see [Note: what the optimizer sees]). Lives as long as the unit.
-        self.sharded_param = nn.Parameter(
-            shard.narrow(0, self.local_start - shard_start, self.local_end - self.local_start),
-            requires_grad=param.requires_grad,
-        )
+        # It is the module's own Parameter object, pointed at its piece, so
+        # an optimizer built before fully_shard holds it (see [Note: the
+        # Parameter objects stay]); a meta one is adopted at to_empty instead.
+        view = shard.narrow(0, self.local_start - shard_start, self.local_end - self.local_start)
+        if param.is_meta:
+            self.sharded_param = nn.Parameter(view, requires_grad=param.requires_grad)
+        else:
+            param.grad = None  # one of the full shape no longer fits (FSDP2's new parameter has none either)
+            param.data = view
+            self.sharded_param = param
         self.sharded_param._pydist_fsdp_param = self  # how state dicts find the unit
         # The full parameter, a view of the unit's unsharded buffer; made at
         # the first unshard (the buffer has no memory before) and kept.

@@ -195,7 +195,7 @@ class FSDPParamGroup:
         offset = 0
         for fqn, p, infos in named_params:
             self.fsdp_params.append(FSDPParam(p, infos, fqn, offset, self.shard, shard_start))
-            offset += p.numel()
+            offset += self.fsdp_params[-1].numel  # p is its shard now: see [Note: the Parameter objects stay]
         for fp in self.fsdp_params:
             fp.param_group = self  # the unit a shard belongs to, for clip_grad_norm_ and state dicts
         # The all-gather's output; the unsharded parameters are views of it.
@@ -205,10 +205,10 @@ class FSDPParamGroup:
             self.unsharded.untyped_storage().resize_(0)
         else:
             self.unsharded = self.shard
-            for fp in self.fsdp_params:
-                fp.init_unsharded_param(self.shard)
-                fp.sharded_param = fp.unsharded_param  # NO_SHARD: the module keeps full parameters
-                fp.sharded_param._pydist_fsdp_param = fp
+            for fp in self.fsdp_params:  # NO_SHARD: the module keeps its full parameters, the same objects
+                param = fp.sharded_param
+                param.data = self.shard.narrow(0, fp.offset, fp.numel).view(fp.shape)
+                fp.unsharded_param = param
         # The unsharded buffer's bytes (what a pool slot lends it).
         self.unsharded_nbytes = self.padded_numel * self.unsharded.element_size()
         # Where each parameter is registered, as (module._parameters, name,

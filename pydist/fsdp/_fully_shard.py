@@ -63,8 +63,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     group = _process_group if _process_group is not None else _group_of(mesh)
     named = _managed_params(module)
     for fqn, p, _ in named:
-        # The original, not the shard that replaces it in this module: a
-        # registration of it outside (a weight tied across units) is refused.
+        # Its module's own Parameter object, which becomes the shard (see
+        # [Note: the Parameter objects stay]): a registration of it outside
+        # the unit (a weight tied across units) is refused.
         p._pydist_fsdp_taken_by = f"{type(module).__name__} (as {fqn})"
     param_group = None
     if named:
@@ -109,7 +110,7 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[Par
         if not top and state_of(m) is not None:
             return
         for name, p in m._parameters.items():
-            if p is None or hasattr(p, "_pydist_fsdp_param"):
+            if p is None:
                 continue
             if hasattr(p, "_pydist_fsdp_taken_by"):
                 raise NotImplementedError(
@@ -118,6 +119,8 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[Par
                     "units would train as two. Call fully_shard on a module that holds every use of it (their "
                     "lowest common ancestor), not on the one that holds only some, as torch's FSDP2 requires"
                 )
+            if hasattr(p, "_pydist_fsdp_param"):
+                continue
             entry = by_id.setdefault(id(p), (prefix + name, p, []))
             entry[2].append(ParamModuleInfo(m, name))
         for child_name, child in m._modules.items():

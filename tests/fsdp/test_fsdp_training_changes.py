@@ -216,6 +216,69 @@ def test_fsdp1_front_door_gives_unused_parameters_zeros_as_torch_fsdp1():
     _assert_bitwise(run_ranks(_fsdp1_unused, 2, timeout=110), "torch FSDP1's")
 
 
+def _decay_matrices(params) -> list:
+    """nanoGPT's configure_optimizers: weight decay for the parameters of 2 or
+    more dimensions only, chosen by ``p.dim()``."""
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _optimizer_first(rank, world_size, front):
+    """AdamW built on the model before it is sharded (DDP scripts' order),
+    against torch's own way: FSDP2's built after fully_shard, its groups by
+    the DTensors' dims; FSDP1's built before too (use_orig_params=True keeps
+    the Parameter objects, as pydist does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import pydist
+
+    out = {}
+    for impl in ("torch", "pydist"):
+        torch.manual_seed(0)
+        model = Net()
+        before = list(model.parameters())
+        opt = None if impl == "torch" and front == "fully_shard" else torch.optim.AdamW(_decay_matrices(before), lr=0.05)
+        if front == "fully_shard":
+            shard = torch_fully_shard if impl == "torch" else pydist.fully_shard
+            kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
+            for block in model.blocks:
+                shard(block, **kwargs)
+            shard(model, **kwargs)
+        else:
+            cls = TorchFSDP if impl == "torch" else pydist.FullyShardedDataParallel
+            kwargs = {"device_id": torch.device("cpu"), "use_orig_params": True} if impl == "torch" else {}
+            model = cls(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), **kwargs)
+        if impl == "pydist":
+            assert {id(p) for p in model.parameters()} == {id(p) for p in before}, "new Parameter objects"
+        opt = opt or torch.optim.AdamW(_decay_matrices(model.parameters()), lr=0.05)
+        _train(model, opt, rank, 3)
+        if front == "fully_shard":
+            out[impl] = _full(impl, model)
+        else:
+            with cls.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                out[impl] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("front", ["fully_shard", "FullyShardedDataParallel"])
+def test_optimizer_built_before_sharding_steps_the_shards(front):
+    """The module's own Parameter objects become the shards, so an optimizer
+    built before sharding trains the model, with nanoGPT's groups by
+    ``p.dim()`` taken while the shapes were full: see [Note: the Parameter
+    objects stay] in pydist/fsdp/_fsdp_param.py. Before, pydist made new
+    Parameters and such an optimizer stepped tensors the model no longer
+    used: it never trained (as under torch's FSDP2, where this test builds
+    the optimizer after fully_shard)."""
+    theirs = "torch FSDP2's (optimizer built after)" if front == "fully_shard" else "torch FSDP1's"
+    _assert_bitwise(run_ranks(_optimizer_first, 2, args=(front,), timeout=110), theirs)
+
+
 class Branchy(nn.Module):
     """An embedding only rank 0 looks up, rows 0 and 1: the averaged
     gradient of the rows rank 1 keeps is exactly zero, but rank 0 had one."""
