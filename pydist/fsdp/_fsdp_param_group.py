@@ -163,6 +163,10 @@ class FSDPParamGroup:
         # See [Note: a unit built on the meta device]: "meta" until
         # to_empty, "full" until the unit's first use, then None.
         self.materializing: str | None = "meta" if devices == {"meta"} else None
+        # Per parameter, a digest of the values this rank built (int64; set
+        # when the unit is laid out, dropped when a state dict loads into it):
+        # see [Note: every rank builds the same model] in _fsdp_state.py.
+        self.built_digests: torch.Tensor | None = None
         if self.materializing and not sharded:
             raise NotImplementedError(f"pydist FSDP ({label}): NO_SHARD on the meta device is not implemented yet; "
                                       "materialize the module (to_empty(device='cpu'), then initialize it) first")
@@ -303,13 +307,16 @@ class FSDPParamGroup:
 
     def _shard_of(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """This rank's shard of ``params`` (the unit's, full size) laid out
-        flat: a new buffer."""
+        flat: a new buffer. Notes their digests for the root's check that
+        every rank built the same values (see [Note: every rank builds the
+        same model])."""
         with torch.no_grad():
             full = torch.zeros(self.padded_numel, dtype=self.dtype)
             if params:
                 from pydist import ops
 
                 ops.flatten([p.detach() for p in params], out=full.narrow(0, 0, self.total_numel))
+            self.built_digests = _digests(full, [p.numel() for p in params])
             return full.narrow(0, self.shard_start, self.shard_numel).clone()
 
     # [Note: a unit built on the meta device]
@@ -801,6 +808,26 @@ def _hand_out_grads(output: torch.Tensor, units: list) -> None:
     if units[0][0].sharded:  # see [Note: the global norm of sharded gradients] in _clip_grad.py
         clip_grad.mark_shard_grads(output, units[0][0].transport)
     _C.hand_out_grads(output, params, offsets)
+
+
+# The integer type of each float's width: digests sum bit patterns.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _digests(flat: torch.Tensor, numels: Sequence[int]) -> torch.Tensor | None:
+    """Per parameter laid out in ``flat`` (``numels[i]`` elements each, in
+    order), the sum of its elements' bit patterns as int64: equal on two
+    ranks exactly when they built the same values (barring a collision),
+    whatever the threads or the order of the sum; None for complex dtypes. See [Note: every rank
+    builds the same model] in _fsdp_state.py."""
+    if flat.is_complex() or (flat.is_floating_point() and flat.element_size() not in _BITS):
+        return None
+    bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat
+    sums, start = [], 0
+    for n in numels:
+        sums.append(bits.narrow(0, start, n).sum(dtype=torch.int64))
+        start += n
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
 def _register(regs: list) -> None:

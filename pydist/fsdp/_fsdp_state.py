@@ -218,11 +218,66 @@ class FSDPState:
                 state.param_group.pool = pool
                 state.param_group.is_root = state is self
         self.transport = transport
+        self._built_checked = False  # see [Note: every rank builds the same model]
         # What the optimizer steps on, and the requires_grad each unit has taken up.
         self._sharded_params = [fp.sharded_param for s in self.all_states if s.param_group is not None
                                 for fp in s.param_group.fsdp_params]
         self._requires_grad = [fp.requires_grad for s in self.all_states if s.param_group is not None
                                for fp in s.param_group.fsdp_params]
+
+    # [Note: every rank builds the same model]
+    # fully_shard keeps each rank's shard of the values that rank built: no
+    # broadcast, as in torch's FSDP2 (and FSDP1 without sync_module_states).
+    # A DDP script seeds each rank differently before building the model
+    # (nanoGPT: torch.manual_seed(1337 + rank)), which DDP's broadcast of
+    # rank 0's values makes harmless; sharded, the model trained would be a
+    # mix of the ranks' models (NO_SHARD: a different model on each rank),
+    # silently, under torch's wrappers too. So each unit notes, when laid out
+    # (_shard_of), a digest of every parameter's values (the sum of their bit
+    # patterns: exact, whatever the threads), and the root's first forward
+    # gathers them (one small all-gather) and raises on every rank, naming
+    # the first parameter that differs and which ranks agree, before its
+    # forward starts; it checks again at the next forward until it passes. A
+    # state dict loaded into a unit since (a checkpoint, the usual cure;
+    # state dict calls may come before the first forward, which is why the
+    # check waits for it) replaces what was built, so that unit is not
+    # checked; a unit some rank loaded is skipped on every rank.
+    def _check_built_alike(self) -> None:
+        units = [s.param_group for s in self.all_states if s.param_group is not None]
+        rows = []
+        for pg in units:
+            known = pg.built_digests is not None
+            digests = pg.built_digests if known else torch.zeros(len(pg.fsdp_params), dtype=torch.int64)
+            # one float64 per value: the flag, then each digest split in two 32-bit halves (exact in float64)
+            rows += [torch.tensor([float(known)], dtype=torch.float64),
+                     (digests >> 32).to(torch.float64), (digests & 0xFFFFFFFF).to(torch.float64)]
+        if not rows:
+            return
+        table = collectives.all_gather_small(self.transport, torch.cat(rows))  # (ranks, values)
+        start = 0
+        for pg in units:
+            n = len(pg.fsdp_params)
+            flags = table[:, start]
+            halves = table[:, start + 1:start + 1 + 2 * n]
+            start += 1 + 2 * n
+            if not bool((flags == 1).all()):
+                continue
+            for i, fp in enumerate(pg.fsdp_params):
+                values = [(int(r[i]), int(r[n + i])) for r in halves.tolist()]
+                if len(set(values)) > 1:
+                    groups: dict = {}
+                    for rank, v in enumerate(values):
+                        groups.setdefault(v, []).append(rank)
+                    where = f"unit {pg.label!r}" if pg.label else f"the root ({type(self.module).__name__})"
+                    raise RuntimeError(
+                        f"pydist FSDP: the ranks built different values for parameter {fp.fqn!r} of {where} before "
+                        f"sharding (groups of ranks that agree: {' / '.join(str(g) for g in groups.values())}). "
+                        "Each rank keeps its shard of what it built, so the model would be a mix of the ranks' "
+                        "models (torch's FSDP2 trains such a mix silently). Seed the same on every rank before "
+                        "building the model (a DDP script's torch.manual_seed(seed + rank): seed per rank after it), "
+                        "pass sync_module_states=True to FullyShardedDataParallel, or load a checkpoint after "
+                        "fully_shard. See [Note: every rank builds the same model] in pydist/fsdp/_fsdp_state.py"
+                    )
 
     def refuse_batch_bytes_off_root(self, root: FSDPState, name: str) -> None:
         """``name``: this module's path under ``root``'s module."""
@@ -284,6 +339,9 @@ class FSDPState:
         self.pool.release()
 
     def _root_pre_forward(self) -> None:
+        if not self._built_checked:
+            self._check_built_alike()  # raises with the model as it was
+            self._built_checked = True
         self._forward_open = True
         self.iteration += 1
         if self.forward_plan is not None:

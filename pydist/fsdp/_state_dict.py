@@ -294,6 +294,9 @@ class _UnitStateDictHooks:
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                                  unexpected_keys, error_msgs):
+        unit = state_of(module).param_group
+        if unit is not None:  # loaded values replace the built ones: see [Note: every rank builds the same model]
+            unit.built_digests = None
         pg = self._param_group()
         if pg is None:
             return
