@@ -818,8 +818,8 @@ def _digests(flat: torch.Tensor, numels: Sequence[int]) -> torch.Tensor | None:
     """Per parameter laid out in ``flat`` (``numels[i]`` elements each, in
     order), the sum of its elements' bit patterns as int64: equal on two
     ranks exactly when they built the same values (barring a collision),
-    whatever the threads or the order of the sum; None for complex dtypes. See [Note: every rank
-    builds the same model] in _fsdp_state.py."""
+    whatever the threads or the order of the sum; None for complex dtypes.
+    See [Note: every rank builds the same model] in _fsdp_state.py."""
     if flat.is_complex() or (flat.is_floating_point() and flat.element_size() not in _BITS):
         return None
     bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat
