@@ -37,7 +37,7 @@ import torch.nn.utils.clip_grad as _torch_clip_grad
 
 from pydist.fsdp import _fsdp_collectives as collectives
 
-__all__ = ["clip_grad_norm_", "total_norm", "mark_shard_grads", "transport_of", "install"]
+__all__ = ["clip_grad_norm_", "total_norm", "mark_shard_grads", "split_by_transport", "install"]
 
 # The attribute of a reduced output whose views are sharded gradients: the
 # transport it was reduced over. See [Note: the global norm of sharded gradients].
@@ -58,14 +58,10 @@ def transport_of(grad: torch.Tensor):
     return getattr(base if base is not None else grad, _MARK, None)
 
 
-@torch.no_grad()
-def total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0,
-               error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm`` with the sharded gradients among
-    ``tensors`` counted over every rank. See [Note: the global norm of
-    sharded gradients]."""
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    sharded: dict[int, tuple[object, list[torch.Tensor]]] = {}  # in first appearance: the same order on every rank
+def split_by_transport(tensors: Iterable[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+    """``tensors`` as [(transport, its sharded gradients)], transports in
+    first appearance (the same order on every rank), and the rest."""
+    sharded: dict[int, tuple[object, list[torch.Tensor]]] = {}
     rest = []
     for t in tensors:
         transport = transport_of(t)
@@ -73,6 +69,17 @@ def total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float 
             rest.append(t)
         else:
             sharded.setdefault(id(transport), (transport, []))[1].append(t)
+    return list(sharded.values()), rest
+
+
+@torch.no_grad()
+def total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0,
+               error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` with the sharded gradients among
+    ``tensors`` counted over every rank. See [Note: the global norm of
+    sharded gradients]."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    sharded, rest = split_by_transport(tensors)
     if not sharded:
         return _torch_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
@@ -82,7 +89,7 @@ def total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float 
             "is no norm of the whole gradient for it); use a positive p or inf"
         )
     parts = []
-    for transport, grads in sharded.values():
+    for transport, grads in sharded:
         # A shard may hold no element of a parameter (torch's inf-norm
         # refuses an empty tensor); a rank with nothing still takes part.
         held = [g for g in grads if g.numel()]

@@ -262,22 +262,24 @@ class FSDPState:
             start += 1 + 2 * n
             if not bool((flags == 1).all()):
                 continue
-            for i, fp in enumerate(pg.fsdp_params):
-                values = [(int(r[i]), int(r[n + i])) for r in halves.tolist()]
-                if len(set(values)) > 1:
-                    groups: dict = {}
-                    for rank, v in enumerate(values):
-                        groups.setdefault(v, []).append(rank)
-                    where = f"unit {pg.label!r}" if pg.label else f"the root ({type(self.module).__name__})"
-                    raise RuntimeError(
-                        f"pydist FSDP: the ranks built different values for parameter {fp.fqn!r} of {where} before "
-                        f"sharding (groups of ranks that agree: {' / '.join(str(g) for g in groups.values())}). "
-                        "Each rank keeps its shard of what it built, so the model would be a mix of the ranks' "
-                        "models (torch's FSDP2 trains such a mix silently). Seed the same on every rank before "
-                        "building the model (a DDP script's torch.manual_seed(seed + rank): seed per rank after it), "
-                        "pass sync_module_states=True to FullyShardedDataParallel, or load a checkpoint after "
-                        "fully_shard. See [Note: every rank builds the same model] in pydist/fsdp/_fsdp_state.py"
-                    )
+            columns = (halves != halves[0]).any(dim=0)  # the hi halves' columns, then the lo halves'
+            differ = columns[:n] | columns[n:]  # per parameter
+            if bool(differ.any()):
+                i = int(differ.nonzero()[0])  # the first that differs
+                fp = pg.fsdp_params[i]
+                groups: dict = {}
+                for rank, (hi, lo) in enumerate(halves[:, [i, n + i]].tolist()):
+                    groups.setdefault((hi, lo), []).append(rank)
+                where = f"unit {pg.label!r}" if pg.label else f"the root ({type(self.module).__name__})"
+                raise RuntimeError(
+                    f"pydist FSDP: the ranks built different values for parameter {fp.fqn!r} of {where} before "
+                    f"sharding (groups of ranks that agree: {' / '.join(str(g) for g in groups.values())}). "
+                    "Each rank keeps its shard of what it built, so the model would be a mix of the ranks' "
+                    "models (torch's FSDP2 trains such a mix silently). Seed the same on every rank before "
+                    "building the model (a DDP script's torch.manual_seed(seed + rank): seed per rank after it), "
+                    "pass sync_module_states=True to FullyShardedDataParallel, or load a checkpoint after "
+                    "fully_shard. See [Note: every rank builds the same model] in pydist/fsdp/_fsdp_state.py"
+                )
 
     def refuse_batch_bytes_off_root(self, root: FSDPState, name: str) -> None:
         """``name``: this module's path under ``root``'s module."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._clip_grad import transport_of
+from pydist.fsdp._clip_grad import split_by_transport
 
 __all__ = ["install"]
 
@@ -34,16 +34,13 @@ _torch_unscale_grads = torch.amp.GradScaler._unscale_grads_
 
 def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
     per_device = _torch_unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16)
-    transports: dict[int, object] = {}  # in first appearance: the same order on every rank
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None and (transport := transport_of(p.grad)) is not None:
-                transports.setdefault(id(transport), transport)
-    if not transports:
+    sharded, _ = split_by_transport(p.grad for group in optimizer.param_groups for p in group["params"]
+                                    if p.grad is not None)
+    if not sharded:
         return per_device
     # One value per rank, even for a rank holding no gradient on some device.
     found = sum((f.float().cpu() for f in per_device.values()), torch.zeros(1))
-    for transport in transports.values():
+    for transport, _ in sharded:
         found = collectives.all_reduce_sum(transport, found)
     anywhere = bool(found.item() > 0)
     for f in per_device.values():
