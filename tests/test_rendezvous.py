@@ -425,3 +425,14 @@ def test_open_mpi_library_is_chosen_for_mpi4py():
     """, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "/usr/lib/x86_64-linux-gnu/libmpi.so.40"
+
+
+def test_no_backend_named_is_gloo_plus_nccl_for_cuda_tensors(monkeypatch):
+    """torch's own default where CUDA is available: a CPU job on a GPU
+    machine gets a group that takes CPU tensors (NCCL alone refuses them)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_backend(None) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend(None) == "cpu:gloo,cuda:nccl"
