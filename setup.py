@@ -103,6 +103,14 @@ def want_cuda():
         problem = f"this torch ({torch.__version__}) was built without CUDA"
     elif cpp_extension.CUDA_HOME is None:
         problem = "no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)"
+    elif not any(os.path.exists(os.path.join(d, "cuda_runtime.h"))
+                 for d in (os.path.join(cpp_extension.CUDA_HOME, "include"), os.environ.get("CUDA_INC_PATH")) if d):
+        # The header directories torch compiles with. It takes the toolkit's
+        # root from nvcc's place on PATH: an nvcc that is a wrapper script
+        # elsewhere (/usr/local/bin/nvcc) gives a root without headers.
+        problem = (f"the CUDA toolkit torch found, {cpp_extension.CUDA_HOME}, has no include/cuda_runtime.h "
+                   "(is nvcc on PATH a wrapper outside the toolkit?); set CUDA_HOME to the toolkit's root, "
+                   "e.g. /usr/local/cuda")
     else:
         version, text = nvcc_version(cpp_extension.CUDA_HOME)
         torch_major = torch.version.cuda.split(".")[0]
@@ -121,6 +129,24 @@ def want_cuda():
         fail(f"PYDIST_CUDA=1 but {problem}")
     note(f"building the CPU part only: {problem}")
     return False
+
+
+def choose_cuda_archs():
+    """torch compiles CUDA code for the GPUs it sees, unless
+    TORCH_CUDA_ARCH_LIST names the architectures, and fails where it sees
+    none (an IndexError in cpp_extension._get_cuda_arch_flags): a container
+    build, a login node, any machine with CUDA torch and nvcc but no GPU. There
+    pydist compiles for the architectures this torch was built for, the GPUs
+    its own kernels run on (the last one also as PTX, as torch does)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return
+    sms = sorted({int(sm) for sm in re.findall(r"sm_(\d+)", torch._C._cuda_getArchFlags())})
+    if not sms:
+        fail("no GPU is visible and this torch names no CUDA architectures it was built for: set "
+             "TORCH_CUDA_ARCH_LIST (e.g. '8.0;9.0') to say which GPUs to compile for, or PYDIST_CUDA=0")
+    archs = ";".join(f"{sm // 10}.{sm % 10}" for sm in sms) + "+PTX"
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    note(f"no GPU visible: compiling the CUDA kernels for this torch's architectures, TORCH_CUDA_ARCH_LIST={archs}")
 
 
 def sources(pattern):
@@ -142,6 +168,7 @@ def extension():
         extra_link_args=["-fopenmp", "-lrt"],
     )
     if with_cuda:
+        choose_cuda_archs()
         # Files ending _selftest.cu are standalone executables (they have a
         # main); CMakeLists.txt builds them, the extension must not link them.
         srcs += [s for s in sources("csrc/**/*.cu") if not s.endswith("_selftest.cu")]
