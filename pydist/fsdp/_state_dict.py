@@ -37,14 +37,10 @@ What torch's helpers do with it: ``get_model_state_dict`` and
 ``set_model_state_dict`` with ``full_state_dict=False`` call
 ``state_dict`` / ``load_state_dict`` and work; ``set_model_state_dict`` with
 ``full_state_dict=True`` hands full tensors to ``load_state_dict`` and
-works. ``get_model_state_dict(full_state_dict=True)`` does not:
-torch gathers every ShardedTensor with ``_all_gather_sharded_tensor``
-(torch/distributed/_state_dict_utils.py), which assumes one dim-0 chunk of
-``ceil(dim0 / N)`` rows per rank and reads only the first local shard;
-pydist's pieces are flat ranges, so gloo raises a size mismatch, or, where
-every rank's first box happens to fit a chunk, the values come out wrong.
-Nothing in that path calls back into pydist, so it cannot be told apart
-from DCP's use of the same ShardedTensor. Use ``pydist.fsdp.full_state_dict``.
+works. ``get_model_state_dict(full_state_dict=True)`` gathers every
+ShardedTensor with a torch function that assumes torch's own chunking;
+pydist puts its own in that function's place: see [Note: torch's full
+state dict of pydist's ShardedTensors].
 
 ShardedTensor is what torch's FSDP1 gives for SHARDED_STATE_DICT and what
 DCP has read and written since torch 2.0 (checked here in 2.13's source;
@@ -61,7 +57,8 @@ and torch checks them pairwise for overlap when the ShardedTensor is made,
 per parameter per ``state_dict()``: measured here for a 1000 x 999 weight,
 3 ms at 8 ranks, 10 ms at 64, 0.4 s at 256. Beyond a few hundred ranks the
 protocol route above would skip that check.
-Likewise torch's ``get_optimizer_state_dict`` returns pydist's 1-D local
+
+torch's ``get_optimizer_state_dict`` returns pydist's 1-D local
 optimizer state as plain tensors, which DCP takes as replicated and saves
 from one rank (loading it back raises a size mismatch; where every rank's
 piece has the same size it would hand all ranks one rank's values): use
@@ -206,7 +203,60 @@ def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
     props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
     metadata = ShardedTensorMetadata(shards_md, torch.Size(fp.shape), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
+    sharded = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
+    # Each rank's piece, in rank order, is the parameter's next flat range:
+    # how _all_gather_sharded_tensor puts it back together.
+    sharded._pydist_counts = [hi - lo for lo, hi in (_rank_range(fp, r) for r in range(pg.shard_world_size))]
+    _install_full_gather()
+    return sharded
+
+
+# [Note: torch's full state dict of pydist's ShardedTensors]
+# get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+# (FSDP2's way to a full checkpoint) calls model.state_dict() and gathers
+# each ShardedTensor in it with torch.distributed._state_dict_utils.
+# _all_gather_sharded_tensor, which assumes torch's own chunking (one dim-0
+# chunk of ceil(dim0 / N) rows per rank, the first local shard only). On
+# pydist's flat pieces that raised a size mismatch in gloo, or, where each
+# rank's first box fits such a chunk, returned wrong values without a word.
+# The first pydist ShardedTensor made puts _all_gather_sharded_tensor below
+# in torch's place (the name torch looks up at each call); it gathers the
+# ShardedTensors pydist made (marked with their ranks' piece sizes) and hands
+# every other one to torch's function. get_optimizer_state_dict is not
+# covered: see [Note: the sharded state dict].
+
+def _all_gather_sharded_tensor(sharded_tensor, pg=None, device=None) -> torch.Tensor:
+    """The full tensor of a ShardedTensor, on every rank of its group (collective)."""
+    counts = getattr(sharded_tensor, "_pydist_counts", None)
+    if counts is None:
+        return _torch_all_gather_sharded_tensor(sharded_tensor, pg, device)
+    # Its own group: the ranks its pieces are laid out over (a unit's group
+    # may be a subgroup; torch's default is the world).
+    group = sharded_tensor._process_group
+    size = sharded_tensor.metadata().size
+    dtype = sharded_tensor.metadata().tensor_properties.dtype
+    pieces = [shard.tensor.reshape(-1) for shard in sharded_tensor.local_shards()]
+    width = max(counts)
+    local = torch.zeros(width, dtype=dtype)
+    if pieces:
+        torch.cat(pieces, out=local[:sum(p.numel() for p in pieces)])
+    gathered = torch.empty(width * len(counts), dtype=dtype)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    rows = gathered.view(len(counts), width)
+    return torch.cat([rows[r, :n] for r, n in enumerate(counts)]).view(size)
+
+
+_torch_all_gather_sharded_tensor = None
+
+
+def _install_full_gather() -> None:
+    """See [Note: torch's full state dict of pydist's ShardedTensors]. Idempotent."""
+    global _torch_all_gather_sharded_tensor
+    from torch.distributed import _state_dict_utils
+
+    if _torch_all_gather_sharded_tensor is None:
+        _torch_all_gather_sharded_tensor = _state_dict_utils._all_gather_sharded_tensor
+        _state_dict_utils._all_gather_sharded_tensor = _all_gather_sharded_tensor
 
 
 def _to_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:

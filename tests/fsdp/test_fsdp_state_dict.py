@@ -228,6 +228,17 @@ def _torch_helpers_rank(rank, world_size, root):
     a = _build("pydist", 1, world_size)
     set_model_state_dict(a, ref, options=StateDictOptions(full_state_dict=True))
     out["set_full"] = full_state_dict(a)
+    # get_model_state_dict, full: FSDP2's way to a full checkpoint (torch
+    # gathers pydist's ShardedTensors; with cpu_offload on rank 0 only)
+    out["get_full"] = get_model_state_dict(src, options=StateDictOptions(full_state_dict=True))
+    out["get_full_offload"] = get_model_state_dict(src, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+    # A 3 x 4 weight at 2 ranks: each rank's first piece fits torch's own
+    # dim-0 chunk, so torch's gather of it gave wrong values, not an error
+    grid = torch.nn.Linear(4, 3, bias=False)
+    grid.weight.data = torch.arange(12.0).view(3, 4)
+    pydist.fully_shard(grid)
+    out["grid_full"] = get_model_state_dict(grid, options=StateDictOptions(full_state_dict=True))["weight"]
     # get/set_model_state_dict, sharded: through DCP
     path = os.path.join(root, "helpers")
     dcp.save(get_model_state_dict(src, options=StateDictOptions(full_state_dict=False)), checkpoint_id=path)
@@ -428,6 +439,13 @@ def test_4_to_2_torch_state_dict_helpers_and_fsdp1_state_dict_type(ckpt2, ckpt4)
         _assert_same(saved[0]["pydist_full"], out["pydist<-pydist4"], f"2 ranks, {where}: pydist from pydist's 4-rank")
         _assert_same(saved[0]["pydist_full"], out["torch<-pydist4"], f"2 ranks, {where}: torch from pydist's 4-rank")
         _assert_same(out["ref"], out["set_full"], f"{where} set_model_state_dict(full_state_dict=True)")
+        assert list(out["get_full"]) == list(out["ref"]), f"{where}: {list(out['get_full'])}"
+        _assert_same(out["ref"], out["get_full"], f"{where} get_model_state_dict(full_state_dict=True)")
+        assert torch.equal(out["grid_full"], torch.arange(12.0).view(3, 4)), f"{where}: {out['grid_full']}"
+        if rank == 0:
+            _assert_same(out["ref"], out["get_full_offload"], f"{where} get_model_state_dict(full, cpu_offload)")
+        else:
+            assert out["get_full_offload"] == {}, f"{where}: cpu_offload gave {sorted(out['get_full_offload'])}"
         _assert_same(out["ref"], out["set_sharded"], f"{where} get/set_model_state_dict(full_state_dict=False) + DCP")
         assert set(out["unsharded_types"].values()) == {"ShardedTensor"}, out["unsharded_types"]
         _assert_same(*[{"out": t} for t in out["forward_after_load"]], f"{where} forward after a load into unsharded units")
