@@ -43,8 +43,8 @@ pydist puts its own in that function's place: see [Note: torch's full
 state dict of pydist's ShardedTensors].
 
 ShardedTensor is what torch's FSDP1 gives for SHARDED_STATE_DICT and what
-DCP has read and written since torch 2.0 (checked here in 2.13's source;
-the calls used are older than 2.11, which was not run here);
+DCP has read and written since torch 2.0 (the state-dict tests pass on
+torch 2.11 and 2.13);
 torch now warns ``FutureWarning: Please use DTensor instead and we are
 deprecating ShardedTensor`` when its torch functions run, which DCP does
 (``.size()``, ``.device``). If it goes, the replacement is DCP's protocol
