@@ -77,6 +77,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         )
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
     register_state_dict_hooks(module)  # see [Note: the sharded state dict]
+    # Libraries ask whether a module is FSDP-managed the way torch's
+    # fully_shard marks it: Hugging Face's generate() then keeps every rank
+    # stepping until all are done (synced_gpus); unmarked, a rank that
+    # finished first left the others waiting in an all-gather.
+    for managed in module.modules():
+        managed._is_fsdp_managed_module = True
+        managed._fsdp_use_orig_params = True
     cls = module.__class__
     if not isinstance(module, FSDPModule):
         if cls not in _FSDP_CLASSES:

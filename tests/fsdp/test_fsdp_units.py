@@ -75,6 +75,29 @@ def test_unimplemented_keywords_name_themselves():
         fully_shard(m, reshard_after_forward=2)
 
 
+def _marked_rank(rank, world_size):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    marked = {}
+    for impl, shard in (("torch", torch_fully_shard), ("pydist", fully_shard)):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+        shard(model[1])
+        shard(model)
+        marked[impl] = {name: (getattr(m, "_is_fsdp_managed_module", False), getattr(m, "_fsdp_use_orig_params", False))
+                        for name, m in model.named_modules()}
+    return marked
+
+
+@pytest.mark.timeout(60)
+def test_modules_are_marked_fsdp_managed_as_torchs():
+    """Libraries ask torch's way (Hugging Face's generate() turns on
+    synced_gpus for such a model; without it a rank that finished first left
+    the others waiting in an all-gather)."""
+    for marked in run_ranks(_marked_rank, 2, timeout=50):
+        assert marked["pydist"] == marked["torch"], marked
+        assert all(v == (True, True) for v in marked["torch"].values())
+
+
 def _collectives_rank(rank, world_size, shm):
     import torch.distributed as dist
 
