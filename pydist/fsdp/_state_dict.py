@@ -344,10 +344,10 @@ class _UnitStateDictHooks:
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                                  unexpected_keys, error_msgs):
+        pg = self._param_group()  # (lays out a unit built on meta, digesting what to_empty left)
         unit = state_of(module).param_group
         if unit is not None:  # loaded values replace the built ones: see [Note: every rank builds the same model]
             unit.built_digests = None
-        pg = self._param_group()
         if pg is None:
             return
         if pg.sharded_state != ShardedState.SHARDED:
