@@ -162,6 +162,16 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self._fsdp_wrapped_module(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        """What the wrapper lacks comes from the wrapped module, as with
+        torch's FSDP1 (a Hugging Face model's ``.config``, ``.generate``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_fsdp_wrapped_module":  # not set yet (inside __init__)
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
         """The wrapped module's parameters (local shards) under its own names."""
         return self._fsdp_wrapped_module.named_parameters(prefix, recurse, remove_duplicate)

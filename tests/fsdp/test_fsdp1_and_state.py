@@ -230,6 +230,10 @@ def _strict_load_rank(rank, world_size, _unused):
         else:
             model = pydist.FullyShardedDataParallel(_Normed())
         model(torch.randn(3, 4)).sum().backward()
+        # what the wrapper lacks comes from the wrapped module (torch FSDP1's __getattr__)
+        model.module.note = "kept"
+        out[impl, "attrs"] = (type(model.lin).__name__, model.bn is model.module.bn, model.note,
+                              hasattr(model, "no_such_attribute"))
         # no BatchNorm statistics, no Linear bias (a sharded parameter), a weight to load
         sd = {k: v for k, v in model.state_dict().items() if "running" not in k and k != "lin.bias"}
         sd["lin.weight"] = torch.full_like(sd["lin.weight"], 3.0)
@@ -250,6 +254,7 @@ def test_fsdp1_load_state_dict_strict_names_missing_and_unexpected_keys_as_torch
     for rank, out in enumerate(run_ranks(_strict_load_rank, 2, args=(None,), timeout=80)):
         assert "running_mean" in out["torch", "strict"] and "extra.weight" in out["torch", "strict"]
         assert out["pydist", "strict"] == out["torch", "strict"], f"rank {rank}: {out['pydist', 'strict']}"
+        assert out["pydist", "attrs"] == out["torch", "attrs"] == ("Linear", True, "kept", False), out
         assert out["pydist", "loose"] == out["torch", "loose"], f"rank {rank}: {out['pydist', 'loose']}"
         assert "lin.bias" in out["torch", "loose"][0]
         for k, ref in out["torch", "loaded"].items():  # loaded where listed, kept where missing
