@@ -172,6 +172,7 @@ class FSDPState:
 
     # --- root -----------------------------------------------------------------
 
+    @torch.compiler.disable  # one-time setup with collectives (the transport, the checks): run eagerly, not traced
     def _lazy_init(self) -> None:
         named = [(name, s) for name, m in self.module.named_modules() if (s := state_of(m)) is not None]
         # Checked before any state changes, so that a refused first forward
