@@ -174,6 +174,9 @@ class FSDPState:
 
     @torch.compiler.disable  # one-time setup with collectives (the transport, the checks): run eagerly, not traced
     def _lazy_init(self) -> None:
+        from pydist.fsdp._state_dict import install_torch_checkpoint_api
+
+        install_torch_checkpoint_api()  # torch's checkpoint helpers imported after fully_shard
         named = [(name, s) for name, m in self.module.named_modules() if (s := state_of(m)) is not None]
         # Checked before any state changes, so that a refused first forward
         # leaves the model as it was: the user fixes the cause and runs again.

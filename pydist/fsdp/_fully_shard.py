@@ -24,7 +24,7 @@ import torch.nn as nn
 from pydist.fsdp._fsdp_param import ParamModuleInfo
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup
 from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES, FSDPState, state_of
-from pydist.fsdp._state_dict import register_state_dict_hooks
+from pydist.fsdp._state_dict import install_torch_checkpoint_api, register_state_dict_hooks
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -77,6 +77,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         )
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
     register_state_dict_hooks(module)  # see [Note: the sharded state dict]
+    install_torch_checkpoint_api()  # see [Note: torch's checkpoint helpers on pydist's shards]
     # Libraries ask whether a module is FSDP-managed the way torch's
     # fully_shard marks it: Hugging Face's generate() then keeps every rank
     # stepping until all are done (synced_gpus); unmarked, a rank that

@@ -39,8 +39,8 @@ What torch's helpers do with it: ``get_model_state_dict`` and
 ``full_state_dict=True`` hands full tensors to ``load_state_dict`` and
 works. ``get_model_state_dict(full_state_dict=True)`` gathers every
 ShardedTensor with a torch function that assumes torch's own chunking;
-pydist puts its own in that function's place: see [Note: torch's full
-state dict of pydist's ShardedTensors].
+pydist puts its own in that function's place: see [Note: torch's
+checkpoint helpers on pydist's shards].
 
 ShardedTensor is what torch's FSDP1 gives for SHARDED_STATE_DICT and what
 DCP has read and written since torch 2.0 (the state-dict tests pass on
@@ -58,12 +58,12 @@ per parameter per ``state_dict()``: measured here for a 1000 x 999 weight,
 3 ms at 8 ranks, 10 ms at 64, 0.4 s at 256. Beyond a few hundred ranks the
 protocol route above would skip that check.
 
-torch's ``get_optimizer_state_dict`` returns pydist's 1-D local
-optimizer state as plain tensors, which DCP takes as replicated and saves
-from one rank (loading it back raises a size mismatch; where every rank's
-piece has the same size it would hand all ranks one rank's values): use
-``pydist.fsdp.get_optimizer_state_dict``, which wraps each element-wise
-state tensor the way its parameter is wrapped.
+torch's ``get_optimizer_state_dict`` on its own would return pydist's 1-D
+local optimizer state as plain tensors, which DCP takes as replicated and
+saves from one rank; ``pydist.fsdp.get_optimizer_state_dict`` wraps each
+element-wise state tensor the way its parameter is wrapped, and torch's
+calls it (one optimizer): see [Note: torch's checkpoint helpers on
+pydist's shards].
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
     return sharded
 
 
-# [Note: torch's full state dict of pydist's ShardedTensors]
+# [Note: torch's checkpoint helpers on pydist's shards]
 # get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 # (FSDP2's way to a full checkpoint) calls model.state_dict() and gathers
 # each ShardedTensor in it with torch.distributed._state_dict_utils.
@@ -222,8 +222,18 @@ def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
 # The first pydist ShardedTensor made puts _all_gather_sharded_tensor below
 # in torch's place (the name torch looks up at each call); it gathers the
 # ShardedTensors pydist made (marked with their ranks' piece sizes) and hands
-# every other one to torch's function. get_optimizer_state_dict is not
-# covered: see [Note: the sharded state dict].
+# every other one to torch's function.
+# torch's get_optimizer_state_dict / set_optimizer_state_dict (and
+# get_state_dict / set_state_dict) would take pydist's 1-D local optimizer
+# state for plain replicated tensors (DCP saved one rank's; the full dict
+# held each rank's own piece). For a model with sharded pydist units, the
+# functions they call (_get_optim_state_dict, _load_optim_state_dict) are
+# put in place to use pydist's
+# get_optimizer_state_dict / optimizer_state_dict_to_load, whose layout is
+# torch's, with torch's own full-dict and CPU-offload handling after (one
+# optimizer per call: several raise).
+# Installed once torch.distributed.checkpoint.state_dict is imported (at
+# fully_shard, the root's first forward, or a state dict).
 
 def _all_gather_sharded_tensor(sharded_tensor, pg=None, device=None) -> torch.Tensor:
     """The full tensor of a ShardedTensor, on every rank of its group (collective)."""
@@ -246,17 +256,73 @@ def _all_gather_sharded_tensor(sharded_tensor, pg=None, device=None) -> torch.Te
     return torch.cat([rows[r, :n] for r, n in enumerate(counts)]).view(size)
 
 
+def _sharded_units_of(model: nn.Module) -> bool:
+    return any((s := state_of(m)) is not None and s.param_group is not None and s.param_group.sharded
+               for m in model.modules())
+
+
+def _takes_optimizers(model, optimizers, info, what: str) -> bool:
+    """Whether pydist's optimizer state dict answers torch's ``what`` call."""
+    if not info.handle_optim or info.fsdp_modules or not _sharded_units_of(model):
+        return False
+    if len(optimizers) != 1:
+        raise NotImplementedError(f"torch's {what} with {len(optimizers)} optimizers on a model with pydist "
+                                  "sharded units: call it once per optimizer")
+    return True
+
+
+def _get_optim_state_dict(model, optimizers, info):
+    if not _takes_optimizers(model, optimizers, info, "get_optimizer_state_dict"):
+        return _torch_checkpoint_api["get"](model, optimizers, info)
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    osd = get_optimizer_state_dict(model, optimizers[0])
+    if info.flatten_optimizer_state_dict:
+        osd = torch_state_dict._flatten_optim_state_dict(osd)
+    return torch_state_dict._maybe_full_or_cpu_state_dict(osd, info)
+
+
+def _load_optim_state_dict(model, optimizers, state_dict, info):
+    if not _takes_optimizers(model, optimizers, info, "set_optimizer_state_dict"):
+        return _torch_checkpoint_api["load"](model, optimizers, state_dict, info)
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    if info.broadcast_from_rank0:
+        raise NotImplementedError("torch's set_optimizer_state_dict with broadcast_from_rank0 on a pydist model: "
+                                  "load the full dict on every rank instead")
+    if not state_dict:
+        return
+    if "state" not in state_dict:  # flatten_optimizer_state_dict's layout
+        state_dict = torch_state_dict._unflatten_optim_state_dict(optimizers[0], state_dict, info)
+    set_optimizer_state_dict(model, optimizers[0], state_dict)
+
+
 _torch_all_gather_sharded_tensor = None
+_torch_checkpoint_api: dict = {}  # torch's _get_optim_state_dict and _load_optim_state_dict, once replaced
 
 
 def _install_full_gather() -> None:
-    """See [Note: torch's full state dict of pydist's ShardedTensors]. Idempotent."""
+    """See [Note: torch's checkpoint helpers on pydist's shards]. Idempotent."""
     global _torch_all_gather_sharded_tensor
     from torch.distributed import _state_dict_utils
 
     if _torch_all_gather_sharded_tensor is None:
         _torch_all_gather_sharded_tensor = _state_dict_utils._all_gather_sharded_tensor
         _state_dict_utils._all_gather_sharded_tensor = _all_gather_sharded_tensor
+    install_torch_checkpoint_api()
+
+
+def install_torch_checkpoint_api() -> None:
+    """Where torch.distributed.checkpoint.state_dict is imported, puts
+    pydist's optimizer state in its helpers' place. See [Note: torch's
+    checkpoint helpers on pydist's shards]. Idempotent."""
+    import sys
+
+    api = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    if api is None or _torch_checkpoint_api:
+        return
+    _torch_checkpoint_api["get"], api._get_optim_state_dict = api._get_optim_state_dict, _get_optim_state_dict
+    _torch_checkpoint_api["load"], api._load_optim_state_dict = api._load_optim_state_dict, _load_optim_state_dict
 
 
 def _to_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:

@@ -258,6 +258,24 @@ def _torch_helpers_rank(rank, world_size, root):
         e.load_state_dict(ref)
         out["forward_after_load"] = (src(x), e(x))
 
+    # torch's get/set_optimizer_state_dict on pydist's shards: full, and
+    # sharded through DCP into another model's optimizer
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_get_osd
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict as torch_set_osd
+    from pydist.fsdp import full_optimizer_state_dict
+
+    sopt = torch.optim.Adam(src.parameters(), lr=0.01)
+    train_steps(src, sopt, rank, 1, 0)
+    out["osd_ref"] = full_optimizer_state_dict(src, sopt)
+    out["osd_full"] = torch_get_osd(src, sopt, options=StateDictOptions(full_state_dict=True))
+    dcp.save(torch_get_osd(src, sopt), checkpoint_id=os.path.join(root, "helpers_optim"))
+    f = _build("pydist", 5, world_size)
+    fopt = torch.optim.Adam(f.parameters(), lr=0.01)
+    osd = torch_get_osd(f, fopt)
+    dcp.load(osd, checkpoint_id=os.path.join(root, "helpers_optim"))
+    torch_set_osd(f, fopt, osd)
+    out["osd_loaded"] = full_optimizer_state_dict(f, fopt)
+
     # FSDP1: FULL_STATE_DICT (rank0_only) and SHARDED_STATE_DICT, unwrapped keys
     FSDP = pydist.FullyShardedDataParallel
     torch.manual_seed(0)
@@ -442,6 +460,9 @@ def test_4_to_2_torch_state_dict_helpers_and_fsdp1_state_dict_type(ckpt2, ckpt4)
         assert list(out["get_full"]) == list(out["ref"]), f"{where}: {list(out['get_full'])}"
         _assert_same(out["ref"], out["get_full"], f"{where} get_model_state_dict(full_state_dict=True)")
         assert torch.equal(out["grid_full"], torch.arange(12.0).view(3, 4)), f"{where}: {out['grid_full']}"
+        for got in ("osd_full", "osd_loaded"):
+            _assert_same(out["osd_ref"]["state"], out[got]["state"], f"{where} torch's {got}")
+            assert out[got]["param_groups"] == out["osd_ref"]["param_groups"], f"{where} {got} param_groups"
         if rank == 0:
             _assert_same(out["ref"], out["get_full_offload"], f"{where} get_model_state_dict(full, cpu_offload)")
         else:
