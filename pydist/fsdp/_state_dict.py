@@ -292,7 +292,8 @@ def _load_optim_state_dict(model, optimizers, state_dict, info):
                                   "load the full dict on every rank instead")
     if not state_dict:
         return
-    if "state" not in state_dict:  # flatten_optimizer_state_dict's layout
+    if "state" not in state_dict:  # flatten_optimizer_state_dict's layout, unflattened by the state's names
+        torch_state_dict._init_optim_state(optimizers[0])
         state_dict = torch_state_dict._unflatten_optim_state_dict(optimizers[0], state_dict, info)
     set_optimizer_state_dict(model, optimizers[0], state_dict)
 

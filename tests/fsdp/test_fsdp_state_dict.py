@@ -275,6 +275,12 @@ def _torch_helpers_rank(rank, world_size, root):
     dcp.load(osd, checkpoint_id=os.path.join(root, "helpers_optim"))
     torch_set_osd(f, fopt, osd)
     out["osd_loaded"] = full_optimizer_state_dict(f, fopt)
+    for name, flatten in (("osd_set_full", False), ("osd_set_flat", True)):  # full dicts, as saved by torch.save
+        options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=flatten)
+        h = _build("pydist", 6, world_size)
+        hopt = torch.optim.Adam(h.parameters(), lr=0.01)
+        torch_set_osd(h, hopt, torch_get_osd(src, sopt, options=options), options=options)
+        out[name] = full_optimizer_state_dict(h, hopt)
 
     # FSDP1: FULL_STATE_DICT (rank0_only) and SHARDED_STATE_DICT, unwrapped keys
     FSDP = pydist.FullyShardedDataParallel
@@ -460,7 +466,7 @@ def test_4_to_2_torch_state_dict_helpers_and_fsdp1_state_dict_type(ckpt2, ckpt4)
         assert list(out["get_full"]) == list(out["ref"]), f"{where}: {list(out['get_full'])}"
         _assert_same(out["ref"], out["get_full"], f"{where} get_model_state_dict(full_state_dict=True)")
         assert torch.equal(out["grid_full"], torch.arange(12.0).view(3, 4)), f"{where}: {out['grid_full']}"
-        for got in ("osd_full", "osd_loaded"):
+        for got in ("osd_full", "osd_loaded", "osd_set_full", "osd_set_flat"):
             _assert_same(out["osd_ref"]["state"], out[got]["state"], f"{where} torch's {got}")
             assert out[got]["param_groups"] == out["osd_ref"]["param_groups"], f"{where} {got} param_groups"
         if rank == 0:
