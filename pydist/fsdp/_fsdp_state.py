@@ -81,6 +81,7 @@ its own, one unit ahead.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections import OrderedDict
 from typing import Any
@@ -172,8 +173,17 @@ class FSDPState:
 
     # --- root -----------------------------------------------------------------
 
-    @torch.compiler.disable  # one-time setup with collectives (the transport, the checks): run eagerly, not traced
     def _lazy_init(self) -> None:
+        """The root's one-time setup, with collectives (the transport, the
+        checks): run eagerly, also where torch.compile calls the root first.
+        Dynamo is imported only where a process has imported it already
+        (importing it costs a second, and it outlives the training)."""
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.disable(self._init_root)()
+        else:
+            self._init_root()
+
+    def _init_root(self) -> None:
         from pydist.fsdp._state_dict import install_torch_checkpoint_api
 
         install_torch_checkpoint_api()  # torch's checkpoint helpers imported after fully_shard
