@@ -176,8 +176,9 @@ class FSDPState:
     def _lazy_init(self) -> None:
         """The root's one-time setup, with collectives (the transport, the
         checks): run eagerly, also where torch.compile calls the root first.
-        Dynamo is imported only where a process has imported it already
-        (importing it costs a second, and it outlives the training)."""
+        Dynamo is touched only where the process has imported it already: a
+        decorator at class definition would import it with pydist (a second
+        per process, and it changes what is alive when the process exits)."""
         if "torch._dynamo" in sys.modules:
             torch._dynamo.disable(self._init_root)()
         else:

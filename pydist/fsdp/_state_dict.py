@@ -191,10 +191,11 @@ def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
 
     pg = fp.param_group
     local = local.detach()
-    shards_md, local_shards = [], []
+    shards_md, local_shards, counts = [], [], []
     for r in range(pg.shard_world_size):
         placement = f"rank:{dist.get_global_rank(group, r) if group is not dist.group.WORLD else r}/cpu"
         lo, hi = _rank_range(fp, r)
+        counts.append(hi - lo)
         for box in flat_range_boxes(fp.shape, lo, hi) or _empty_box(fp.shape, lo):
             md = ShardMetadata(list(box.offsets), list(box.sizes), placement)
             shards_md.append(md)
@@ -206,7 +207,7 @@ def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
     sharded = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
     # Each rank's piece, in rank order, is the parameter's next flat range:
     # how _all_gather_sharded_tensor puts it back together.
-    sharded._pydist_counts = [hi - lo for lo, hi in (_rank_range(fp, r) for r in range(pg.shard_world_size))]
+    sharded._pydist_counts = counts
     _install_full_gather()
     return sharded
 
@@ -256,14 +257,9 @@ def _all_gather_sharded_tensor(sharded_tensor, pg=None, device=None) -> torch.Te
     return torch.cat([rows[r, :n] for r, n in enumerate(counts)]).view(size)
 
 
-def _sharded_units_of(model: nn.Module) -> bool:
-    return any((s := state_of(m)) is not None and s.param_group is not None and s.param_group.sharded
-               for m in model.modules())
-
-
 def _takes_optimizers(model, optimizers, info, what: str) -> bool:
     """Whether pydist's optimizer state dict answers torch's ``what`` call."""
-    if not info.handle_optim or info.fsdp_modules or not _sharded_units_of(model):
+    if not info.handle_optim or info.fsdp_modules or not any(pg.sharded for pg in _units(model)):
         return False
     if len(optimizers) != 1:
         raise NotImplementedError(f"torch's {what} with {len(optimizers)} optimizers on a model with pydist "
