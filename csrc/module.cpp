@@ -16,6 +16,31 @@ namespace py = pybind11;
 
 #include "ops/streaming_copy.h"
 
+namespace {
+
+// [Note: freed without the GIL]
+// A Reducer or a ProcessGroupTransport can hold the last reference to a
+// process group (the script called destroy_process_group first), and gloo's
+// destructor joins its worker threads. A worker finishing a collective frees
+// that collective's tensors, and freeing a tensor Python also held takes the
+// GIL. Python frees our objects holding the GIL, so the two threads waited on
+// each other for ever: jobs hung at exit. Objects that may own a process group
+// are therefore made here with a deleter that lets the GIL go, as torch's
+// bindings free a ProcessGroup (IntrusivePtrNoGilDestructor).
+template <typename T, typename... Args>
+std::shared_ptr<T> make_freed_without_gil(Args&&... args) {
+  return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](T* object) {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete object;
+    } else {
+      delete object;
+    }
+  });
+}
+
+}  // namespace
+
 TORCH_LIBRARY(pydist, m) {
   // See csrc/ops/flatten.h for what each op promises and requires.
   m.def("flatten(Tensor[] tensors) -> Tensor");
@@ -89,7 +114,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("name", &tp::Transport::name);
   py::class_<tp::ProcessGroupTransport, tp::Transport, std::shared_ptr<tp::ProcessGroupTransport>>(
       m, "ProcessGroupTransport", "A torch ProcessGroup (gloo, NCCL, the mpi4py backend) as a transport")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+      .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+             return make_freed_without_gil<tp::ProcessGroupTransport>(std::move(pg));
+           }),
+           py::arg("process_group"));
   py::class_<ShmTransport, tp::Transport, std::shared_ptr<ShmTransport>>(
       m, "ShmTransport", "Collectives through shared memory for ranks on one host (csrc/transport/shm_transport.h)")
       .def(py::init([](std::string name, int64_t rank, int64_t world_size, bool create, double timeout_s) {
@@ -128,9 +156,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.record_timing = record_timing;
              options.chunk_bytes = chunk_bytes;
              options.records_kept = records_kept;
-             if (!transport) transport = std::make_shared<tp::ProcessGroupTransport>(pg);
-             return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
-                                              std::move(pg), options, std::move(transport));
+             if (!transport) transport = make_freed_without_gil<tp::ProcessGroupTransport>(pg);
+             return make_freed_without_gil<Reducer>(std::move(params), std::move(names), std::move(buckets),
+                                                    std::move(pg), options, std::move(transport));
            }),
            py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
