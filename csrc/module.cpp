@@ -19,22 +19,25 @@ namespace py = pybind11;
 namespace {
 
 // [Note: freed without the GIL]
-// A Reducer or a ProcessGroupTransport can hold the last reference to a
-// process group (the script called destroy_process_group first), and gloo's
-// destructor joins its worker threads. A worker finishing a collective frees
-// that collective's tensors, and freeing a tensor Python also held takes the
-// GIL. Python frees our objects holding the GIL, so the two threads waited on
-// each other for ever: jobs hung at exit. Objects that may own a process group
-// are therefore made here with a deleter that lets the GIL go, as torch's
-// bindings free a ProcessGroup (IntrusivePtrNoGilDestructor).
-template <typename T, typename... Args>
-std::shared_ptr<T> make_freed_without_gil(Args&&... args) {
-  return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](T* object) {
+// Freeing some of our objects waits for another thread: a Reducer or a
+// ProcessGroupTransport may hold the last reference to a process group (the
+// script called destroy_process_group first), whose destructor (gloo's) joins
+// its worker threads; a ShmTransport or a wrapper with a thread joins its own.
+// A worker finishing a collective lets go of that collective's tensors, and
+// letting go of a tensor Python also holds takes the GIL. Python frees our
+// objects holding the GIL, so the two threads would wait on each other for
+// ever (jobs hung at exit). So every such object handed to Python is freed
+// with the GIL released, as torch's bindings free a ProcessGroup
+// (IntrusivePtrNoGilDestructor).
+template <typename T>
+std::shared_ptr<T> freed_without_gil(std::shared_ptr<T> object) {
+  T* raw = object.get();
+  return std::shared_ptr<T>(raw, [object = std::move(object)](T*) mutable {
     if (PyGILState_Check()) {
       py::gil_scoped_release nogil;
-      delete object;
+      object.reset();
     } else {
-      delete object;
+      object.reset();
     }
   });
 }
@@ -115,14 +118,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<tp::ProcessGroupTransport, tp::Transport, std::shared_ptr<tp::ProcessGroupTransport>>(
       m, "ProcessGroupTransport", "A torch ProcessGroup (gloo, NCCL, the mpi4py backend) as a transport")
       .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-             return make_freed_without_gil<tp::ProcessGroupTransport>(std::move(pg));
+             return freed_without_gil(std::make_shared<tp::ProcessGroupTransport>(std::move(pg)));
            }),
            py::arg("process_group"));
   py::class_<ShmTransport, tp::Transport, std::shared_ptr<ShmTransport>>(
       m, "ShmTransport", "Collectives through shared memory for ranks on one host (csrc/transport/shm_transport.h)")
       .def(py::init([](std::string name, int64_t rank, int64_t world_size, bool create, double timeout_s) {
-             return std::make_shared<ShmTransport>(std::move(name), rank, world_size, create,
-                                                   std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3)));
+             return freed_without_gil(std::make_shared<ShmTransport>(
+                 std::move(name), rank, world_size, create,
+                 std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3))));
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("create"), py::arg("timeout_s"), nogil)
       .def("unlink", &ShmTransport::unlink)
@@ -138,7 +142,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "Sum of every rank's tensor times scale, in place; blocks until done")
       .def_static("supports", &ShmTransport::supports, py::arg("dtype"))
       .def_property_readonly("segment_name", &ShmTransport::segment_name);
-  m.def("wrap_transport", &tp::wrap, py::arg("name"), py::arg("inner"), py::arg("options") = tp::WrapperOptions{},
+  m.def(
+      "wrap_transport",
+      [](const std::string& name, std::shared_ptr<tp::Transport> inner, const tp::WrapperOptions& options) {
+        return freed_without_gil(tp::wrap(name, std::move(inner), options));
+      },
+      py::arg("name"), py::arg("inner"), py::arg("options") = tp::WrapperOptions{},
         "Puts the registered wrapper `name` in front of `inner`");
   m.def("registered_wrappers", &tp::registered_wrappers);
 
@@ -156,9 +165,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.record_timing = record_timing;
              options.chunk_bytes = chunk_bytes;
              options.records_kept = records_kept;
-             if (!transport) transport = make_freed_without_gil<tp::ProcessGroupTransport>(pg);
-             return make_freed_without_gil<Reducer>(std::move(params), std::move(names), std::move(buckets),
-                                                    std::move(pg), options, std::move(transport));
+             if (!transport) transport = freed_without_gil(std::make_shared<tp::ProcessGroupTransport>(pg));
+             return freed_without_gil(std::make_shared<Reducer>(std::move(params), std::move(names),
+                                                                std::move(buckets), std::move(pg), options,
+                                                                std::move(transport)));
            }),
            py::arg("params"), py::arg("param_names"), py::arg("bucket_indices"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
