@@ -13,6 +13,7 @@ _fsdp_collectives.py (the collectives, through pydist.transport only),
 _fsdp_state.py (the hooks and the root's iteration), _fully_shard.py and
 _fully_sharded_data_parallel.py (the two front doors), _state_dict.py
 (sharded and full state dicts, the optimizer's, for torch.distributed.checkpoint),
+_unshard_params.py (FSDP1's summon_full_params),
 _clip_grad.py (clipping by the global norm, torch's clip_grad_norm_ included),
 _grad_scaler.py (torch.amp.GradScaler's inf check over every rank's shards),
 _utils.py (memory accounting, per-unit records).

@@ -119,6 +119,7 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()  # its module's forward is running
     PRE_BACKWARD = enum.auto()  # unsharded for its backward
     POST_BACKWARD = enum.auto()  # its gradients are reduced or being reduced this backward
+    SUMMONED = enum.auto()  # full parameters on the modules for summon_full_params (_unshard_params.py)
 
 
 class ShardedState(enum.Enum):

@@ -581,6 +581,15 @@ class FSDPState:
             self._lazy_init()
         root = self.root
         pg = self.param_group
+        if pg is not None and pg.training_state is TrainingState.SUMMONED:
+            # Its full parameters are on the modules: see [Note: summoning full parameters].
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"pydist FSDP unit {pg.label!r}: a forward with grad inside summon_full_params; its backward "
+                    "would reduce nothing and the optimizer would not see the gradients. Run it under "
+                    "torch.no_grad() (generation, evaluation) or after the block"
+                )
+            return args, kwargs
         if self.is_root and self.iteration_failed():
             self.recover_from_failed_iteration()
         self._recomputing = self._is_recompute()
@@ -654,6 +663,8 @@ class FSDPState:
         else:
             if self._recomputing:
                 self._recomputing = False
+                return output  # see _pre_forward
+            if pg is not None and pg.training_state is TrainingState.SUMMONED:
                 return output  # see _pre_forward
             if pg is not None:
                 # The root keeps its parameters for backward, unless there is none.

@@ -90,6 +90,7 @@ from pydist.fsdp._state_dict import (
     optimizer_state_dict_to_load,
 )
 from pydist.fsdp._clip_grad import clip_grad_norm_
+from pydist.fsdp._unshard_params import summon_full_params
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload"]
 
@@ -189,6 +190,15 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips by the global norm of every rank's gradients; returns it."""
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False):
+        """Context manager (collective): the full parameters on the modules of
+        every unit under ``module``; see [Note: summoning full parameters]
+        (_unshard_params.py). ``offload_to_cpu`` changes nothing here."""
+        _refuse(with_grads, "summon_full_params(with_grads=True)")
+        return summon_full_params(_wrapped(module), recurse=recurse, writeback=writeback, rank0_only=rank0_only)
 
     # --- state dicts: FSDP1's state_dict_type --------------------------------
     # See [Note: FSDP1's state_dict_type on pydist].

@@ -439,7 +439,9 @@ def register_state_dict_hooks(module: nn.Module) -> None:
 # --------------------------------------------------------------------------
 
 
-def _gather_full_flat(pg) -> torch.Tensor:
+def gather_full_flat(pg) -> torch.Tensor:
+    """Collective: the unit's full flat parameters in their own dtype (a
+    fresh buffer; a NO_SHARD unit's shard, which is whole)."""
     if not pg.sharded:
         return pg.shard
     full = torch.empty(pg.padded_numel, dtype=pg.dtype)
@@ -459,7 +461,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
     sd = module.state_dict()
     keep = not rank0_only or dist.get_rank(state.group) == 0
     for pg in units:
-        flat = _gather_full_flat(pg)
+        flat = gather_full_flat(pg)
         for fp in pg.fsdp_params:
             full = flat.narrow(0, fp.offset, fp.numel).view(fp.shape).clone() if keep else None
             for key in keys.get(id(fp), []):

@@ -259,3 +259,100 @@ def test_fsdp1_load_state_dict_strict_names_missing_and_unexpected_keys_as_torch
         assert "lin.bias" in out["torch", "loose"][0]
         for k, ref in out["torch", "loaded"].items():  # loaded where listed, kept where missing
             assert torch.equal(out["pydist", "loaded"][k], ref), f"rank {rank}: {k} after the loose load"
+
+
+def _summon_rank(rank, world_size, _unused):
+    """summon_full_params beside torch's FSDP1: what the block sees, what
+    writeback keeps and discards, recurse=False, rank0_only, full precision
+    under MixedPrecision, and its refusals."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    import pydist
+    from fsdp_harness import MODELS, Scenario, make_optimizer, wrap
+
+    def params(model):  # torch's FSDP1 names carry its wrappers' prefix
+        return {k.replace("_fsdp_wrapped_module.", ""): p for k, p in model.named_parameters()}
+
+    def full(fsdp, model, **kwargs):
+        with fsdp.summon_full_params(model, writeback=False, **kwargs):
+            return {k: p.detach().clone() for k, p in params(model).items()}
+
+    out = {}
+    for impl, fsdp in (("torch", TorchFSDP), ("pydist", pydist.FullyShardedDataParallel)):
+        for sc in (Scenario(api="fsdp1", model="nested", optimizer="adam"),
+                   Scenario(api="fsdp1", model="nested", optimizer="adam", strategy="SHARD_GRAD_OP", mixed=True)):
+            torch.manual_seed(0)
+            model = wrap(impl, sc, MODELS[sc.model](), world_size)
+            opt = make_optimizer(sc.optimizer, model.parameters())
+            losses = train_steps(model, opt, rank, 2, 0)
+            seen = full(fsdp, model)
+            with fsdp.summon_full_params(model):  # writeback: kept, and trained on
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+            kept = full(fsdp, model)
+            with fsdp.summon_full_params(model, writeback=False):  # discarded
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.zero_()
+            assert all(torch.equal(kept[k], v) for k, v in full(fsdp, model).items()), f"{impl}: writeback=False kept"
+            losses += train_steps(model, opt, rank, 2, 2)
+            key = (impl, sc.mixed)
+            out[key, "seen"], out[key, "kept"], out[key, "losses"] = seen, kept, losses
+            out[key, "trained"] = full(fsdp, model)
+            def full_shaped(**kwargs):
+                return {k: p.shape == seen[k].shape for k, p in full(fsdp, model, **kwargs).items()}
+
+            out[key, "own"] = full_shaped(recurse=False)
+            out[key, "rank0"] = full_shaped(rank0_only=True)
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+            with fsdp.summon_full_params(model, writeback=False):
+                with torch.no_grad():  # generation's forward: on the full parameters
+                    # (torch's FSDP1 under MixedPrecision casts the input and not the parameters here, raises,
+                    # and its next forward fails an assertion: not tried)
+                    out[key, "forward"] = None if impl == "torch" and sc.mixed else model(x)
+                if impl == "pydist":
+                    try:
+                        model(x)
+                    except RuntimeError as exc:
+                        out[key, "grad_forward"] = str(exc)
+            with torch.no_grad():
+                out[key, "forward_after"] = model(x)
+            try:
+                with fsdp.summon_full_params(model, rank0_only=True):
+                    pass
+            except NotImplementedError as exc:
+                out[key, "rank0_writeback"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_fsdp1_summon_full_params_as_torchs():
+    for rank, out in enumerate(run_ranks(_summon_rank, 2, args=(None,), timeout=140)):
+        for mixed in (False, True):
+            ours, theirs = ("pydist", mixed), ("torch", mixed)
+            assert out[ours, "losses"] == out[theirs, "losses"], f"rank {rank}, mixed={mixed}: losses"
+            for what in ("seen", "kept", "trained"):
+                assert out[ours, what].keys() == out[theirs, what].keys(), (what, out[ours, what].keys())
+                for k, ref in out[theirs, what].items():
+                    got = out[ours, what][k]
+                    assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape, (what, k, got.shape)
+                    assert torch.equal(got, ref), f"rank {rank}, mixed={mixed}: {what} {k}"
+            for k, ref in out[theirs, "seen"].items():  # the writeback halved every element
+                assert torch.equal(out[ours, "kept"][k], ref * 0.5), k
+            # recurse=False: the root's own parameters (embed, head) full, the units' inside not
+            assert out[ours, "own"] == out[theirs, "own"], out[ours, "own"]
+            own = out[ours, "own"]
+            assert all(own[k] for k in ("embed.weight", "embed.bias", "head.weight", "head.bias")), own
+            assert not any(v for k, v in own.items() if k.endswith(("proj.weight", "inner.0.weight"))), own
+            assert out[ours, "rank0"] == out[theirs, "rank0"], f"rank {rank}: {out[ours, 'rank0']}"
+            matrices = [v for k, v in out[ours, "rank0"].items() if k.endswith(("embed.weight", "head.weight",
+                                                                               "proj.weight", "inner.0.weight"))]
+            assert all(out[ours, "rank0"].values()) if rank == 0 else not any(matrices), out[ours, "rank0"]
+            assert torch.equal(out[ours, "forward_after"], out[theirs, "forward_after"]), f"rank {rank}, mixed={mixed}"
+            if mixed:  # pydist's runs on the fp32 parameters, uncast
+                assert out[ours, "forward"].dtype == torch.float32
+            else:
+                assert torch.equal(out[ours, "forward"], out[theirs, "forward"]), f"rank {rank}: forward inside"
+            assert "forward with grad inside summon_full_params" in out[ours, "grad_forward"]
+            assert "rank0_only" in out[ours, "rank0_writeback"] and out[theirs, "rank0_writeback"]
