@@ -16,6 +16,12 @@ names, and only the outermost object is a ``FullyShardedDataParallel``
   FULL_SHARD     -> reshard_after_forward=True
   SHARD_GRAD_OP  -> reshard_after_forward=False
   NO_SHARD       -> every rank keeps the whole unit; gradients all-reduced
+FSDP1's ``forward_prefetch=True`` (gather the next unit while this one
+computes, in the last iteration's forward order) is what the engine's
+forward plan does in any case ([Note: gather and reduce plans] in
+_fsdp_state.py), so either value is accepted; so is BACKWARD_PRE or None
+for ``backward_prefetch`` (the backward plan gathers ahead), while
+BACKWARD_POST, which trades that overlap for memory, is refused.
 The parameters are the originals' local shards (``use_orig_params=True``
 only; see [Note: what the optimizer sees]), ``state_dict()`` is the full
 state dict (FSDP1's default ``FULL_STATE_DICT``) under the unwrapped keys.
@@ -122,7 +128,6 @@ class FullyShardedDataParallel(nn.Module):
         _refuse(ignored_states, "ignored_states")
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(f"pydist.FullyShardedDataParallel: param_init_fn must be callable, got {param_init_fn!r}")
-        _refuse(forward_prefetch, "forward_prefetch=True")
         _refuse(backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE), f"backward_prefetch={backward_prefetch}")
         _refuse(not use_orig_params, "use_orig_params=False")
         _refuse(device_id is not None and torch.device(device_id).type != "cpu", f"device_id={device_id}")

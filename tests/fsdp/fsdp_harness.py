@@ -142,6 +142,7 @@ class Scenario:
     reduce_dtype: str | None = "float32"  # under ``mixed``: None leaves each API's default (see [Note: FSDP1's mixed precision])
     buffer_dtype: str | None = None  # fsdp1 under ``mixed``: MixedPrecision's buffer_dtype
     prefetch: bool = False  # explicit set_modules_to_forward/backward_prefetch (fsdp2, both impls)
+    forward_prefetch: bool = False  # fsdp1's forward_prefetch
 
 
 class RunResult(NamedTuple):
@@ -222,7 +223,8 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
         policy = ModuleWrapPolicy({nn.Linear})
     else:
         policy = ModuleWrapPolicy({type(m) for m in model.units()})
-    kwargs = dict(auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+    kwargs = dict(auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
+                  forward_prefetch=sc.forward_prefetch)
     if sc.mixed:
         from torch.distributed.fsdp import MixedPrecision
 

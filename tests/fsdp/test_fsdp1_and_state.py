@@ -19,6 +19,7 @@ def test_fsdp1_bitwise_at_two_ranks():
         Scenario(api="fsdp1", model="frozen", strategy="NO_SHARD", micro_steps=2, shm=True),
         Scenario(api="fsdp1", model="badpad", optimizer="adam", micro_steps=2, shm=False),
         Scenario(api="fsdp1", model="nested", optimizer="sgd", policy="size", shm=True),
+        Scenario(api="fsdp1", model="nested", optimizer="adam", forward_prefetch=True, shm=True),
         Scenario(api="fsdp1", model="nested", optimizer="sgd", clip=0.05, steps=3, shm=False),
     ]
     results = run_parity(scenarios, 2, timeout=140)
