@@ -202,8 +202,8 @@ class FullyShardedDataParallel(nn.Module):
         """Context manager (collective): the full parameters on the modules of
         every unit under ``module``; see [Note: summoning full parameters]
         (_unshard_params.py). ``offload_to_cpu`` changes nothing here."""
-        _refuse(with_grads, "summon_full_params(with_grads=True)")
-        return summon_full_params(_wrapped(module), recurse=recurse, writeback=writeback, rank0_only=rank0_only)
+        return summon_full_params(_wrapped(module), recurse=recurse, writeback=writeback, rank0_only=rank0_only,
+                                  with_grads=with_grads)
 
     # --- state dicts: FSDP1's state_dict_type --------------------------------
     # See [Note: FSDP1's state_dict_type on pydist].

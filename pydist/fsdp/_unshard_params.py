@@ -25,7 +25,10 @@ parameters are full already: edits stay, whatever ``writeback``. A unit
 left unsharded by its last forward or backward (SHARD_GRAD_OP,
 ``set_reshard_after_backward(False)``) is resharded first; its next forward
 gathers again. ``offload_to_cpu`` changes nothing (the parameters are on the
-CPU); ``with_grads`` is not implemented.
+CPU). ``with_grads``: each full parameter's ``.grad`` is the full gradient,
+gathered from the shards' ``.grad`` (zeros where a rank's shard has none;
+none at all where no rank's shards of the unit have one), and written back
+to the shards' ``.grad`` with ``writeback``, as torch's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, TrainingState, _register
 from pydist.fsdp._fsdp_state import state_of
 from pydist.fsdp._state_dict import gather_full_flat
@@ -45,8 +49,8 @@ __all__ = ["summon_full_params"]
 
 
 @contextlib.contextmanager
-def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
-                       rank0_only: bool = False) -> Iterator[None]:
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       with_grads: bool = False) -> Iterator[None]:
     """See [Note: summoning full parameters]. Collective."""
     if writeback and rank0_only:
         raise NotImplementedError(
@@ -69,19 +73,24 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     register = not rank0_only or dist.get_rank() == 0  # torch's rank0_only: global rank 0
     with contextlib.ExitStack() as stack:
         for pg in units:
-            stack.enter_context(_summoned(pg, writeback, register))
+            stack.enter_context(_summoned(pg, writeback, register, with_grads))
         yield
 
 
 @contextlib.contextmanager
-def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool) -> Iterator[None]:
+def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool, with_grads: bool) -> Iterator[None]:
     pg.reshard()  # from the shards: see the note
     full = gather_full_flat(pg) if pg.sharded else None
+    full_grads = _gather_full_grads(pg) if full is not None and with_grads else None
+    params = []
     if full is not None and register:
-        _register([(info.module._parameters, info.name,
-                    nn.Parameter(full.narrow(0, fp.offset, fp.numel).view(fp.shape),
-                                 requires_grad=fp.sharded_param.requires_grad))
-                   for fp in pg.fsdp_params for info in fp.module_infos])
+        for fp in pg.fsdp_params:
+            param = nn.Parameter(_piece(full, fp), requires_grad=fp.sharded_param.requires_grad)
+            if full_grads is not None and param.requires_grad:
+                param.grad = _piece(full_grads, fp)
+            params.append(param)
+        _register([(info.module._parameters, info.name, param)
+                   for fp, param in zip(pg.fsdp_params, params) for info in fp.module_infos])
     pg.training_state = TrainingState.SUMMONED
     try:
         yield
@@ -90,8 +99,45 @@ def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool) -> Iterator[N
             if writeback:
                 with torch.no_grad():
                     pg.shard.copy_(full.narrow(0, pg.shard_start, pg.shard_numel))
+                    if full_grads is not None:
+                        _write_back_grads(pg, full_grads)
             _register(pg._sharded_regs)
         pg.training_state = TrainingState.IDLE
+
+
+def _piece(flat: torch.Tensor, fp) -> torch.Tensor:
+    """``fp``'s full tensor: a view of the unit's full flat buffer."""
+    return flat.narrow(0, fp.offset, fp.numel).view(fp.shape)
+
+
+def _gather_full_grads(pg: FSDPParamGroup) -> torch.Tensor | None:
+    """Collective: the unit's full flat gradient, from every rank's shards'
+    ``.grad`` (zeros where a shard has none), as torch's FSDP1 ``with_grads``
+    gives it: None when no rank's shards of the unit have a gradient."""
+    shard = torch.zeros(pg.shard_numel, dtype=pg.dtype)
+    for fp in pg.fsdp_params:
+        grad = fp.sharded_param.grad
+        if grad is not None:
+            shard.narrow(0, fp.local_start - pg.shard_start, fp.local_numel).copy_(grad.reshape(-1))
+    has = torch.tensor([float(any(fp.sharded_param.grad is not None for fp in pg.fsdp_params))])
+    if collectives.all_reduce_sum(pg.transport, has).item() == 0:
+        return None
+    full = torch.empty(pg.padded_numel, dtype=pg.dtype)
+    collectives.all_gather_unit(pg.transport, shard, full).wait()
+    return full
+
+
+def _write_back_grads(pg: FSDPParamGroup, full_grads: torch.Tensor) -> None:
+    """Each shard's ``.grad`` takes its slice of the full gradient (edits in
+    the block kept, as the parameters'); a shard without one gets one."""
+    for fp in pg.fsdp_params:
+        if not fp.sharded_param.requires_grad:
+            continue
+        piece = full_grads.narrow(0, fp.local_start, fp.local_numel)
+        if fp.sharded_param.grad is None:
+            fp.sharded_param.grad = piece.clone()
+        else:
+            fp.sharded_param.grad.copy_(piece)
 
 
 def _name(pg: FSDPParamGroup) -> str:

@@ -6,6 +6,7 @@ moved between pydist and torch FSDP2 in both directions, on spawned gloo ranks."
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fsdp_harness import MODELS, Scenario, assert_close, assert_parity, run_parity, train_steps
 from pydist.spawn import run_ranks
@@ -269,7 +270,7 @@ def _summon_rank(rank, world_size, _unused):
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
     import pydist
-    from fsdp_harness import MODELS, Scenario, make_optimizer, wrap
+    from fsdp_harness import MODELS, Scenario, make_batch, make_optimizer, wrap
 
     def params(model):  # torch's FSDP1 names carry its wrappers' prefix
         return {k.replace("_fsdp_wrapped_module.", ""): p for k, p in model.named_parameters()}
@@ -324,6 +325,15 @@ def _summon_rank(rank, world_size, _unused):
                     pass
             except NotImplementedError as exc:
                 out[key, "rank0_writeback"] = str(exc)
+            # with_grads: the full gradients; doubled in the block, the step takes them
+            xb, yb = make_batch(Scenario(), rank, 9, 0)
+            F.mse_loss(model(xb).float(), yb).backward()
+            with fsdp.summon_full_params(model, with_grads=True):
+                out[key, "grads"] = {k: p.grad.clone() for k, p in params(model).items()}
+                for p in model.parameters():
+                    p.grad.mul_(2)
+            opt.step()
+            out[key, "after_grads"] = full(fsdp, model)
     return out
 
 
@@ -357,3 +367,8 @@ def test_fsdp1_summon_full_params_as_torchs():
                 assert torch.equal(out[ours, "forward"], out[theirs, "forward"]), f"rank {rank}: forward inside"
             assert "forward with grad inside summon_full_params" in out[ours, "grad_forward"]
             assert "rank0_only" in out[ours, "rank0_writeback"] and out[theirs, "rank0_writeback"]
+            for what in ("grads", "after_grads"):
+                assert out[ours, what].keys() == out[theirs, what].keys(), what
+                for k, ref in out[theirs, what].items():
+                    assert ref.shape == out[theirs, "seen"][k].shape, (what, k)  # full
+                    assert torch.equal(out[ours, what][k], ref), f"rank {rank}, mixed={mixed}: {what} {k}"
