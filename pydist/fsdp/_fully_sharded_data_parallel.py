@@ -43,7 +43,12 @@ The settings live on each pydist wrapper in ``module``; LOCAL_STATE_DICT
 (FSDP1's flat parameters) is not implemented. ``FSDP.optim_state_dict`` /
 ``optim_state_dict_to_load`` follow the same settings: full tensors keyed
 by parameter name (``pydist.fsdp.full_optimizer_state_dict``), or the
-ShardedTensors of ``pydist.fsdp.get_optimizer_state_dict`` for DCP.
+ShardedTensors of ``pydist.fsdp.get_optimizer_state_dict`` for DCP. FSDP1's
+older API (``full_optim_state_dict``, ``shard_full_optim_state_dict``,
+``scatter_full_optim_state_dict``, ``sharded_optim_state_dict``,
+``flatten_sharded_optim_state_dict``, ``rekey_optim_state_dict``) gives and
+takes the same dicts; a dict keyed by index (``optim.state_dict()``'s
+keys) is rekeyed by name first.
 
 [Note: FSDP1's mixed precision]
 ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype, ...)`` becomes one
@@ -78,6 +83,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import types
 from typing import Iterator
 
 import torch
@@ -94,6 +100,7 @@ from pydist.fsdp._state_dict import (
     get_optimizer_state_dict,
     load_full_state_dict,
     optimizer_state_dict_to_load,
+    rekey_optimizer_state_dict,
 )
 from pydist.fsdp._clip_grad import clip_grad_norm_
 from pydist.fsdp._unshard_params import summon_full_params
@@ -299,6 +306,65 @@ class FullyShardedDataParallel(nn.Module):
             optim.load_state_dict(to_load)
         return to_load
 
+    # FSDP1's older optimizer-state API (deprecated by torch in favour of the
+    # two above, still in its scripts): the same dicts, settings aside.
+
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input=None,
+                              rank0_only: bool = True, group=None) -> dict:
+        """Collective: the optimizer's state with full tensors, keyed by
+        parameter name; ``{}`` off rank 0 with ``rank0_only`` (the default)."""
+        _refuse(optim_input is not None, "full_optim_state_dict(optim_input=...)")
+        _refuse(group is not None, "full_optim_state_dict(group=...)")
+        return full_optimizer_state_dict(_wrapped(model), optim, rank0_only=rank0_only)
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group=None) -> dict:
+        """The optimizer's state as ShardedTensors, keyed by parameter name (copies, as torch's)."""
+        _refuse(group is not None, "sharded_optim_state_dict(group=...)")
+        return get_optimizer_state_dict(_wrapped(model), optim, copies=True)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module, optim_input=None,
+                                    optim: torch.optim.Optimizer | None = None) -> dict:
+        """What ``optim.load_state_dict`` takes, from a full dict every rank
+        holds (saved at any world size); without ``optim``, as torch's, for
+        one param group of ``model.parameters()``."""
+        _refuse(optim_input is not None, "shard_full_optim_state_dict(optim_input=...)")
+        return optimizer_state_dict_to_load(_wrapped(model), _optimizer_or_parameters(model, optim),
+                                            _by_name(model, optim, full_optim_state_dict))
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.Module,
+                                         optim: torch.optim.Optimizer) -> dict:
+        """What ``optim.load_state_dict`` takes, from ``sharded_optim_state_dict``'s
+        dict after ``torch.distributed.checkpoint.load`` into it."""
+        return optimizer_state_dict_to_load(_wrapped(model), optim, sharded_optim_state_dict)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict: dict | None, model: nn.Module, optim_input=None,
+                                      optim: torch.optim.Optimizer | None = None, group=None) -> dict:
+        """Collective: ``shard_full_optim_state_dict`` of the full dict rank 0
+        holds (the others pass None), sent from rank 0 to every rank."""
+        _refuse(optim_input is not None, "scatter_full_optim_state_dict(optim_input=...)")
+        _refuse(group is not None, "scatter_full_optim_state_dict(group=...)")
+        held = [full_optim_state_dict if dist.get_rank() == 0 else None]
+        if dist.get_rank() == 0 and full_optim_state_dict is None:
+            raise ValueError("pydist scatter_full_optim_state_dict: rank 0 must pass the full optimizer state dict")
+        dist.broadcast_object_list(held, src=0, group=state_of(_wrapped(model)).group)
+        return FullyShardedDataParallel.shard_full_optim_state_dict(held[0], model, optim=optim)
+
+    @staticmethod
+    def rekey_optim_state_dict(optim_state_dict: dict, optim_state_key_type, model: nn.Module, optim_input=None,
+                               optim: torch.optim.Optimizer | None = None) -> dict:
+        """``optim_state_dict`` keyed by parameter name (OptimStateKeyType.PARAM_NAME)
+        or by index in the optimizer's param_groups (PARAM_ID)."""
+        from torch.distributed.fsdp import OptimStateKeyType
+
+        _refuse(optim_input is not None, "rekey_optim_state_dict(optim_input=...)")
+        return rekey_optimizer_state_dict(_wrapped(model), _optimizer_or_parameters(model, optim), optim_state_dict,
+                                          to_ids=optim_state_key_type == OptimStateKeyType.PARAM_ID)
+
     @staticmethod
     @contextlib.contextmanager
     def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
@@ -312,6 +378,19 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             FullyShardedDataParallel.set_state_dict_type(module, previous.state_dict_type, previous.state_dict_config,
                                                          previous.optim_state_dict_config)
+
+
+def _optimizer_or_parameters(model: nn.Module, optim: torch.optim.Optimizer | None):
+    """``optim``, or what torch FSDP1's older optimizer-state API assumes
+    without one: a single param group of ``model.parameters()``."""
+    return optim if optim is not None else types.SimpleNamespace(param_groups=[{"params": list(model.parameters())}])
+
+
+def _by_name(model: nn.Module, optim: torch.optim.Optimizer | None, optim_state_dict: dict) -> dict:
+    """``optim_state_dict`` keyed by parameter name (one keyed by index, as
+    ``optim.state_dict()`` keys it, is rekeyed)."""
+    return rekey_optimizer_state_dict(_wrapped(model), _optimizer_or_parameters(model, optim), optim_state_dict,
+                                      to_ids=False)
 
 
 def _wrapped(model: nn.Module) -> nn.Module:

@@ -540,7 +540,7 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, copies: bool = False) -> dict:
     """The optimizer's state by parameter key (torch's
     ``get_optimizer_state_dict`` layout: ``{"state": {key: {name: value}},
     "param_groups": [{..., "params": [key, ...]}]}``). A state tensor shaped
@@ -550,7 +550,8 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     state); scalars (Adam's ``step``) stay as they are, the same on every
     rank. So element-wise optimizers' state reshards with DCP like the
     parameters. Creates the state if the optimizer has none yet and no
-    gradients (see ``_ensure_optimizer_state``)."""
+    gradients (see ``_ensure_optimizer_state``). ``copies``: every tensor
+    copied instead (a snapshot that later steps leave as it is)."""
     _root_state(module)
     _ensure_optimizer_state(optimizer)
     entries = _optimizer_entries(module, optimizer)
@@ -558,6 +559,8 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     for e in entries:
         per_param = {}
         for name, value in optimizer.state.get(e.param, {}).items():
+            if copies:
+                value = _detached(value)
             if e.fsdp_param is not None and isinstance(value, torch.Tensor) and value.dim() >= 1 \
                     and value.shape == e.param.shape:
                 value = _as_sharded_tensor(e.fsdp_param, value, e.group)
@@ -576,7 +579,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     root = _root_state(module)
     _ensure_optimizer_state(optimizer)
     entries = _optimizer_entries(module, optimizer)
-    out = {"state": {e.key: dict(optimizer.state.get(e.param, {})) for e in entries},
+    out = {"state": {e.key: {n: _detached(v) for n, v in optimizer.state.get(e.param, {}).items()} for e in entries},
            "param_groups": _named_param_groups(optimizer, entries)}
     by_fp = {id(e.fsdp_param): e for e in entries if e.fsdp_param is not None}
     for pg in _units(module):
@@ -597,6 +600,13 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
                 if v is not None:
                     out["state"][e.key][name] = full.narrow(0, fp.offset, fp.numel).view(fp.shape).clone()
     return out if not rank0_only or dist.get_rank(root.group) == 0 else {}
+
+
+def _detached(value: Any) -> Any:
+    """A tensor value copied (the optimizer that loads or gave it steps it in
+    place, Adam's ``step`` included: a dict held or loaded twice must not
+    change with it); anything else as it is."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _named_param_groups(optimizer: torch.optim.Optimizer, entries: list[_OptimizerEntry]) -> list[dict]:
@@ -634,14 +644,33 @@ def optimizer_state_dict_to_load(module: nn.Module, optimizer: torch.optim.Optim
             fp = e.fsdp_param
             if fp is not None and (isinstance(value, (ShardedTensor, DTensor)) or
                                    (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == fp.shape)):
-                value = _to_local_piece(fp, value, f"{e.key} optimizer state {name!r}").clone()
-            per_param[name] = value
+                value = _to_local_piece(fp, value, f"{e.key} optimizer state {name!r}")
+            per_param[name] = _detached(value)
         new_state[index] = per_param
     groups, i = [], 0
     for saved_group, n in zip(saved_groups, sizes):
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(i, i + n))})
         i += n
     return {"state": new_state, "param_groups": groups}
+
+
+def rekey_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict,
+                               to_ids: bool) -> dict:
+    """``state_dict`` with its parameters keyed by their index in
+    ``optimizer``'s param_groups (``to_ids``: what ``optimizer.state_dict()``
+    uses) or by name (``get_optimizer_state_dict``'s keys), as torch FSDP1's
+    ``rekey_optim_state_dict``; keys already of that kind stay."""
+    names = [e.key for e in _optimizer_entries(module, optimizer)]
+    new_key = dict(enumerate(names)) if not to_ids else {name: i for i, name in enumerate(names)}
+    for old in list(state_dict["state"]) + [k for g in state_dict["param_groups"] for k in g["params"]]:
+        if isinstance(old, int) != to_ids and old not in new_key:
+            raise KeyError(f"pydist rekey_optim_state_dict: {old!r} is not a parameter the optimizer steps on")
+
+    def key(old):
+        return new_key[old] if isinstance(old, int) != to_ids else old
+
+    return {"state": {key(k): v for k, v in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in state_dict["param_groups"]]}
 
 
 def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:

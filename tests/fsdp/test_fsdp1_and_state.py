@@ -3,6 +3,8 @@
 without ``MixedPrecision``, its ``sync_module_states``, and full state dicts
 moved between pydist and torch FSDP2 in both directions, on spawned gloo ranks."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -372,3 +374,89 @@ def test_fsdp1_summon_full_params_as_torchs():
                 for k, ref in out[theirs, what].items():
                     assert ref.shape == out[theirs, "seen"][k].shape, (what, k)  # full
                     assert torch.equal(out[ours, what][k], ref), f"rank {rank}, mixed={mixed}: {what} {k}"
+
+
+def _legacy_optim_rank(rank, world_size, _unused):
+    """FSDP1's older optimizer-state API: the full dict (against torch FSDP2's
+    full optimizer state dict: torch FSDP1's own, on the CPU, gives every
+    parameter's exp_avg_sq as its exp_avg too, and its training resumed from
+    it diverges), the sharded one, sharding a full dict (with and without
+    the optimizer, keyed by name or by index), scattering it from rank 0
+    (FSDP2's dict too), and rekeying; training resumed from each, against
+    torch FSDP1's uninterrupted run."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    import pydist
+    from fsdp_harness import MODELS, Scenario, make_optimizer, wrap
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch deprecates this API
+    sc = Scenario(api="fsdp1", model="nested", optimizer="adam")
+
+    def build(impl, api="fsdp1"):
+        torch.manual_seed(0)
+        model = wrap(impl, dataclasses.replace(sc, api=api), MODELS[sc.model](), world_size)
+        return model, make_optimizer(sc.optimizer, model.parameters())
+
+    out = {}
+    model, opt = build("torch", api="fsdp2")
+    train_steps(model, opt, rank, 2, 0)
+    fsdp2_full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out["fsdp2_full"] = fsdp2_full
+    model, opt = build("torch")
+    train_steps(model, opt, rank, 2, 0)
+    out["reference"] = train_steps(model, opt, rank, 2, 2)
+
+    fsdp = pydist.FullyShardedDataParallel
+    model, opt = build("pydist")
+    train_steps(model, opt, rank, 2, 0)
+    out["full"] = fsdp.full_optim_state_dict(model, opt)  # rank0_only by default
+    full_everywhere = fsdp.full_optim_state_dict(model, opt, rank0_only=False)
+    by_id = fsdp.rekey_optim_state_dict(full_everywhere, OptimStateKeyType.PARAM_ID, model)
+    out["ids"] = (sorted(by_id["state"]), by_id["param_groups"][0]["params"])
+    back = fsdp.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, model)
+    out["names"] = (list(back["state"]), back["param_groups"][0]["params"], list(full_everywhere["state"]),
+                    full_everywhere["param_groups"][0]["params"])
+    sharded = fsdp.sharded_optim_state_dict(model, opt)
+    model_sd = model.state_dict()  # full: FSDP1's default
+    out["uninterrupted"] = train_steps(model, opt, rank, 2, 2)
+    for how in ("shard", "shard_no_optim", "by_id", "scatter", "scatter_fsdp2", "flatten"):
+        model2, opt2 = build("pydist")
+        model2.load_state_dict(model_sd)
+        if how == "shard":
+            to_load = fsdp.shard_full_optim_state_dict(full_everywhere, model2, optim=opt2)
+        elif how == "shard_no_optim":
+            to_load = fsdp.shard_full_optim_state_dict(full_everywhere, model2)
+        elif how == "by_id":
+            to_load = fsdp.shard_full_optim_state_dict(by_id, model2, optim=opt2)
+        elif how.startswith("scatter"):
+            source = fsdp2_full if how == "scatter_fsdp2" else full_everywhere
+            to_load = fsdp.scatter_full_optim_state_dict(source if rank == 0 else None, model2, optim=opt2)
+        else:
+            to_load = fsdp.flatten_sharded_optim_state_dict(sharded, model2, opt2)
+        opt2.load_state_dict(to_load)
+        out[how] = train_steps(model2, opt2, rank, 2, 2)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_fsdp1_legacy_optimizer_state_api():
+    for rank, out in enumerate(run_ranks(_legacy_optim_rank, 2, args=(None,), timeout=140)):
+        full, reference = out["full"], out["fsdp2_full"]
+        if rank:
+            assert full == {}
+        else:
+            assert full["state"].keys() == reference["state"].keys()
+            for key, ref in reference["state"].items():
+                for name, value in ref.items():
+                    assert torch.equal(torch.as_tensor(full["state"][key][name]), torch.as_tensor(value)), (key, name)
+            assert full["param_groups"][0]["params"] == reference["param_groups"][0]["params"]
+        ids, params = out["ids"]
+        assert ids == params == list(range(len(params))), ids
+        assert out["names"][:2] == out["names"][2:]
+        assert out["uninterrupted"] == out["reference"], f"rank {rank}"
+        for how in ("shard", "shard_no_optim", "by_id", "scatter", "scatter_fsdp2", "flatten"):
+            assert out[how] == out["reference"], f"rank {rank}: resumed through {how}"
