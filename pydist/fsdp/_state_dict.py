@@ -561,8 +561,7 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
         for name, value in optimizer.state.get(e.param, {}).items():
             if copies:
                 value = _detached(value)
-            if e.fsdp_param is not None and isinstance(value, torch.Tensor) and value.dim() >= 1 \
-                    and value.shape == e.param.shape:
+            if e.fsdp_param is not None and _is_sharded_state(e, value):
                 value = _as_sharded_tensor(e.fsdp_param, value, e.group)
             per_param[name] = value
         state_out[e.key] = per_param
@@ -579,13 +578,15 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     root = _root_state(module)
     _ensure_optimizer_state(optimizer)
     entries = _optimizer_entries(module, optimizer)
-    out = {"state": {e.key: {n: _detached(v) for n, v in optimizer.state.get(e.param, {}).items()} for e in entries},
+    # Copies of what is not gathered below (the gathered values are new tensors already).
+    out = {"state": {e.key: {n: v if e.fsdp_param is not None and _is_sharded_state(e, v) else _detached(v)
+                             for n, v in optimizer.state.get(e.param, {}).items()} for e in entries},
            "param_groups": _named_param_groups(optimizer, entries)}
     by_fp = {id(e.fsdp_param): e for e in entries if e.fsdp_param is not None}
     for pg in _units(module):
         members = [(fp, by_fp[id(fp)]) for fp in pg.fsdp_params if id(fp) in by_fp]
         names = sorted({n for _, e in members for n, v in optimizer.state.get(e.param, {}).items()
-                        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == e.param.shape})
+                        if _is_sharded_state(e, v)})
         start = pg.rank * pg.shard_numel
         for name in names:  # the same on every rank: an element-wise optimizer keeps the same names per parameter
             values = [(fp, e, optimizer.state[e.param].get(name)) for fp, e in members]
@@ -600,6 +601,12 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
                 if v is not None:
                     out["state"][e.key][name] = full.narrow(0, fp.offset, fp.numel).view(fp.shape).clone()
     return out if not rank0_only or dist.get_rank(root.group) == 0 else {}
+
+
+def _is_sharded_state(entry: _OptimizerEntry, value: Any) -> bool:
+    """Whether ``value`` is state shaped like the parameter's local piece
+    (an element-wise optimizer's: SGD's momentum, Adam's moments)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == entry.param.shape
 
 
 def _detached(value: Any) -> Any:
