@@ -399,6 +399,8 @@ class _UnitStateDictHooks:
         pg = self._param_group()
         if pg is None:
             return None
+        if pg.training_state is TrainingState.SUMMONED:
+            return None  # the summoned full parameters, as torch's: see [Note: summoning full parameters]
         group = state_of(module).group
         for fp, key in self._entries(pg, prefix):
             if key in state_dict:
@@ -461,6 +463,12 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
     sd = module.state_dict()
     keep = not rank0_only or dist.get_rank(state.group) == 0
     for pg in units:
+        if pg.training_state is TrainingState.SUMMONED:  # no collective: see [Note: summoning full parameters]
+            for fp in pg.fsdp_params:
+                for key in keys.get(id(fp), []):
+                    if key in sd:
+                        sd[key] = sd[key].clone() if keep else None
+            continue
         flat = gather_full_flat(pg)
         for fp in pg.fsdp_params:
             full = flat.narrow(0, fp.offset, fp.numel).view(fp.shape).clone() if keep else None

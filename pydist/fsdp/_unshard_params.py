@@ -15,6 +15,11 @@ slice of the buffer back into its shard (an edit is kept where it fell in
 some rank's slice: everywhere, if every rank made it, as torch's), then the
 shards are registered again and the buffer goes.
 
+A state dict taken inside (``model.state_dict()``, ``full_state_dict``)
+holds the summoned full parameters as they are, with no collective, as
+torch's: the old way to save full weights, ``with
+FSDP.summon_full_params(model, writeback=False, rank0_only=True):`` then
+``torch.save(model.state_dict(), ...)`` on rank 0 alone, works.
 As torch's: not inside a forward or backward (a unit not between iterations
 raises). A forward inside it runs on the full parameters, its summoned
 units' hooks doing nothing (no gathers, no casts): under ``torch.no_grad()``

@@ -308,6 +308,10 @@ def _summon_rank(rank, world_size, _unused):
                 return {k: p.shape == seen[k].shape for k, p in full(fsdp, model, **kwargs).items()}
 
             out[key, "own"] = full_shaped(recurse=False)
+            # the old way to save full weights: a state dict inside, on rank 0 alone (no collective)
+            with fsdp.summon_full_params(model, writeback=False, rank0_only=True):
+                if rank == 0:
+                    out[key, "saved"] = {k: v.clone() for k, v in model.state_dict().items()}
             out[key, "rank0"] = full_shaped(rank0_only=True)
             x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
             with fsdp.summon_full_params(model, writeback=False):
@@ -369,6 +373,10 @@ def test_fsdp1_summon_full_params_as_torchs():
                 assert torch.equal(out[ours, "forward"], out[theirs, "forward"]), f"rank {rank}: forward inside"
             assert "forward with grad inside summon_full_params" in out[ours, "grad_forward"]
             assert "rank0_only" in out[ours, "rank0_writeback"] and out[theirs, "rank0_writeback"]
+            if rank == 0:
+                assert out[ours, "saved"].keys() == out[theirs, "saved"].keys()
+                for k, ref in out[theirs, "saved"].items():
+                    assert ref.shape == out[theirs, "seen"][k].shape and torch.equal(out[ours, "saved"][k], ref), k
             for what in ("grads", "after_grads"):
                 assert out[ours, what].keys() == out[theirs, what].keys(), what
                 for k, ref in out[theirs, what].items():
