@@ -348,10 +348,12 @@ class FullyShardedDataParallel(nn.Module):
         holds (the others pass None), sent from rank 0 to every rank."""
         _refuse(optim_input is not None, "scatter_full_optim_state_dict(optim_input=...)")
         _refuse(group is not None, "scatter_full_optim_state_dict(group=...)")
-        held = [full_optim_state_dict if dist.get_rank() == 0 else None]
-        if dist.get_rank() == 0 and full_optim_state_dict is None:
+        group = state_of(_wrapped(model)).group
+        source = dist.get_rank(group) == 0  # rank 0 of the model's group
+        if source and full_optim_state_dict is None:
             raise ValueError("pydist scatter_full_optim_state_dict: rank 0 must pass the full optimizer state dict")
-        dist.broadcast_object_list(held, src=0, group=state_of(_wrapped(model)).group)
+        held = [full_optim_state_dict if source else None]
+        dist.broadcast_object_list(held, group=group, group_src=0)
         return FullyShardedDataParallel.shard_full_optim_state_dict(held[0], model, optim=optim)
 
     @staticmethod
