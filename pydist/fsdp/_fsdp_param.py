@@ -101,10 +101,14 @@ class FSDPParam:
     def local_numel(self) -> int:
         return self.local_end - self.local_start
 
+    def full_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter in full, a view of ``flat``: a buffer in the unit's
+        flat (unsharded) layout."""
+        return flat.narrow(0, self.offset, self.numel).view(self.shape)
+
     def init_unsharded_param(self, unsharded: torch.Tensor) -> None:
         if self.unsharded_param is None:
-            view = unsharded.narrow(0, self.offset, self.numel).view(self.shape)
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+            self.unsharded_param = nn.Parameter(self.full_view(unsharded), requires_grad=self.requires_grad)
 
     def accumulate_grad(self, reduce_dtype: torch.dtype, keep: bool) -> None:
         """Folds this backward's gradient into ``accumulated_grad`` where one

@@ -212,7 +212,7 @@ class FSDPParamGroup:
             self.unsharded = self.shard
             for fp in self.fsdp_params:  # NO_SHARD: the module keeps its full parameters, the same objects
                 param = fp.sharded_param
-                param.data = self.shard.narrow(0, fp.offset, fp.numel).view(fp.shape)
+                param.data = fp.full_view(self.shard)
                 fp.unsharded_param = param
         # The unsharded buffer's bytes (what a pool slot lends it).
         self.unsharded_nbytes = self.padded_numel * self.unsharded.element_size()

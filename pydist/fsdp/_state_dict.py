@@ -471,7 +471,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
             continue
         flat = gather_full_flat(pg)
         for fp in pg.fsdp_params:
-            full = flat.narrow(0, fp.offset, fp.numel).view(fp.shape).clone() if keep else None
+            full = fp.full_view(flat).clone() if keep else None
             for key in keys.get(id(fp), []):
                 if key in sd:
                     sd[key] = full
@@ -569,7 +569,7 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
         for name, value in optimizer.state.get(e.param, {}).items():
             if copies:
                 value = _detached(value)
-            if e.fsdp_param is not None and _is_sharded_state(e, value):
+            if _is_sharded_state(e, value):
                 value = _as_sharded_tensor(e.fsdp_param, value, e.group)
             per_param[name] = value
         state_out[e.key] = per_param
@@ -587,7 +587,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     _ensure_optimizer_state(optimizer)
     entries = _optimizer_entries(module, optimizer)
     # Copies of what is not gathered below (the gathered values are new tensors already).
-    out = {"state": {e.key: {n: v if e.fsdp_param is not None and _is_sharded_state(e, v) else _detached(v)
+    out = {"state": {e.key: {n: v if _is_sharded_state(e, v) else _detached(v)
                              for n, v in optimizer.state.get(e.param, {}).items()} for e in entries},
            "param_groups": _named_param_groups(optimizer, entries)}
     by_fp = {id(e.fsdp_param): e for e in entries if e.fsdp_param is not None}
@@ -595,26 +595,35 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
         members = [(fp, by_fp[id(fp)]) for fp in pg.fsdp_params if id(fp) in by_fp]
         names = sorted({n for _, e in members for n, v in optimizer.state.get(e.param, {}).items()
                         if _is_sharded_state(e, v)})
-        start = pg.rank * pg.shard_numel
         for name in names:  # the same on every rank: an element-wise optimizer keeps the same names per parameter
             values = [(fp, e, optimizer.state[e.param].get(name)) for fp, e in members]
             dtype = next(v.dtype for _, _, v in values if v is not None)
-            shard = torch.zeros(pg.shard_numel, dtype=dtype)  # the state laid out as the unit's shard
-            for fp, _, v in values:
-                if v is not None:
-                    shard.narrow(0, fp.local_start - start, fp.local_numel).copy_(v)
-            full = torch.empty(pg.padded_numel, dtype=dtype)
-            collectives.all_gather_unit(pg.transport, shard, full).wait()
+            full = gather_pieces(pg, [(fp, v) for fp, _, v in values], dtype)
             for fp, e, v in values:
                 if v is not None:
-                    out["state"][e.key][name] = full.narrow(0, fp.offset, fp.numel).view(fp.shape).clone()
+                    out["state"][e.key][name] = fp.full_view(full).clone()
     return out if not rank0_only or dist.get_rank(root.group) == 0 else {}
 
 
+def gather_pieces(pg, pieces: list, dtype: torch.dtype) -> torch.Tensor:
+    """Collective: per parameter of the unit ``pg``, this rank's piece
+    (``(fp, tensor)``: shaped like its local part, or None for zeros) laid out
+    as the unit's shard and all-gathered: a fresh buffer in the unit's flat
+    layout (``FSDPParam.full_view`` reads a parameter's part of it)."""
+    shard = torch.zeros(pg.shard_numel, dtype=dtype)
+    for fp, piece in pieces:
+        if piece is not None:
+            shard.narrow(0, fp.local_start - pg.shard_start, fp.local_numel).copy_(piece.reshape(-1))
+    full = torch.empty(pg.padded_numel, dtype=dtype)
+    collectives.all_gather_unit(pg.transport, shard, full).wait()
+    return full
+
+
 def _is_sharded_state(entry: _OptimizerEntry, value: Any) -> bool:
-    """Whether ``value`` is state shaped like the parameter's local piece
-    (an element-wise optimizer's: SGD's momentum, Adam's moments)."""
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == entry.param.shape
+    """Whether ``value`` is state of a sharded parameter shaped like its local
+    piece (an element-wise optimizer's: SGD's momentum, Adam's moments)."""
+    return (entry.fsdp_param is not None and isinstance(value, torch.Tensor) and value.dim() >= 1
+            and value.shape == entry.param.shape)
 
 
 def _detached(value: Any) -> Any:
@@ -677,12 +686,13 @@ def rekey_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
     ``rekey_optim_state_dict``; keys already of that kind stay."""
     names = [e.key for e in _optimizer_entries(module, optimizer)]
     new_key = dict(enumerate(names)) if not to_ids else {name: i for i, name in enumerate(names)}
-    for old in list(state_dict["state"]) + [k for g in state_dict["param_groups"] for k in g["params"]]:
-        if isinstance(old, int) != to_ids and old not in new_key:
-            raise KeyError(f"pydist rekey_optim_state_dict: {old!r} is not a parameter the optimizer steps on")
 
     def key(old):
-        return new_key[old] if isinstance(old, int) != to_ids else old
+        if isinstance(old, int) == to_ids:
+            return old
+        if old not in new_key:
+            raise KeyError(f"pydist rekey_optim_state_dict: {old!r} is not a parameter the optimizer steps on")
+        return new_key[old]
 
     return {"state": {key(k): v for k, v in state_dict["state"].items()},
             "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in state_dict["param_groups"]]}

@@ -48,7 +48,7 @@ import torch.nn as nn
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, TrainingState, _register
 from pydist.fsdp._fsdp_state import state_of
-from pydist.fsdp._state_dict import gather_full_flat
+from pydist.fsdp._state_dict import gather_full_flat, gather_pieces
 
 __all__ = ["summon_full_params"]
 
@@ -90,9 +90,9 @@ def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool, with_grads: b
     params = []
     if full is not None and register:
         for fp in pg.fsdp_params:
-            param = nn.Parameter(_piece(full, fp), requires_grad=fp.sharded_param.requires_grad)
+            param = nn.Parameter(fp.full_view(full), requires_grad=fp.sharded_param.requires_grad)
             if full_grads is not None and param.requires_grad:
-                param.grad = _piece(full_grads, fp)
+                param.grad = fp.full_view(full_grads)
             params.append(param)
         _register([(info.module._parameters, info.name, param)
                    for fp, param in zip(pg.fsdp_params, params) for info in fp.module_infos])
@@ -110,26 +110,14 @@ def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool, with_grads: b
         pg.training_state = TrainingState.IDLE
 
 
-def _piece(flat: torch.Tensor, fp) -> torch.Tensor:
-    """``fp``'s full tensor: a view of the unit's full flat buffer."""
-    return flat.narrow(0, fp.offset, fp.numel).view(fp.shape)
-
-
 def _gather_full_grads(pg: FSDPParamGroup) -> torch.Tensor | None:
     """Collective: the unit's full flat gradient, from every rank's shards'
     ``.grad`` (zeros where a shard has none), as torch's FSDP1 ``with_grads``
     gives it: None when no rank's shards of the unit have a gradient."""
-    shard = torch.zeros(pg.shard_numel, dtype=pg.dtype)
-    for fp in pg.fsdp_params:
-        grad = fp.sharded_param.grad
-        if grad is not None:
-            shard.narrow(0, fp.local_start - pg.shard_start, fp.local_numel).copy_(grad.reshape(-1))
     has = torch.tensor([float(any(fp.sharded_param.grad is not None for fp in pg.fsdp_params))])
     if collectives.all_reduce_sum(pg.transport, has).item() == 0:
         return None
-    full = torch.empty(pg.padded_numel, dtype=pg.dtype)
-    collectives.all_gather_unit(pg.transport, shard, full).wait()
-    return full
+    return gather_pieces(pg, [(fp, fp.sharded_param.grad) for fp in pg.fsdp_params], pg.dtype)
 
 
 def _write_back_grads(pg: FSDPParamGroup, full_grads: torch.Tensor) -> None:
