@@ -43,10 +43,12 @@ def _scaler_rank(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         model = ScaledHead()
         if impl == "torch":
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(model.head)
-            fully_shard(model)
+            mesh = init_device_mesh("cpu", (world_size,))  # FSDP2 takes the GPU where one is visible
+            fully_shard(model.head, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         else:
             pydist.fully_shard(model.head, shm=shm)
             pydist.fully_shard(model, shm=shm)

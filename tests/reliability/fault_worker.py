@@ -37,11 +37,13 @@ model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.n
 if wrapper == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model)
 elif wrapper == "torch-fsdp":
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (result.world_size,))  # FSDP2 takes the GPU where one is visible
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 elif wrapper.startswith("pydist-fsdp"):
     for layer in (model[0], model[2]):
         pydist.fully_shard(layer, shm=(wrapper == "pydist-fsdp-shm"))
