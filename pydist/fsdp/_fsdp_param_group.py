@@ -91,7 +91,7 @@ from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 
 __all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
-           "UnshardPool", "PoolSlot", "POOL_SLOTS"]
+           "UnshardPool", "PoolSlot", "POOL_SLOTS", "ReduceLayout"]
 
 
 class CollectiveRecord(NamedTuple):
@@ -129,6 +129,13 @@ class ShardedState(enum.Enum):
     # Gathered and kept from its forward for its backward, the shards on the
     # modules meanwhile (see [Note: gather and reduce plans] in _fsdp_state.py)
     KEPT = enum.auto()
+
+
+# The states the hot paths test by identity.
+_IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
+_PRE_BACKWARD, _POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
+_SHARDED, _UNSHARDING, _UNSHARDED, _KEPT = (ShardedState.SHARDED, ShardedState.UNSHARDING, ShardedState.UNSHARDED,
+                                            ShardedState.KEPT)
 
 
 class FSDPParamGroup:
@@ -504,16 +511,18 @@ class FSDPParamGroup:
 
     def reshard(self) -> None:
         """Registers the shards on the modules and gives the buffer's memory back."""
-        if not self.sharded or self.sharded_state == ShardedState.SHARDED:
+        state = self.sharded_state
+        if state is _SHARDED or not self.sharded:
             return
-        if self.sharded_state == ShardedState.UNSHARDING:
+        if state is _UNSHARDING:
             self._wait_all_gather()  # the transport is still writing the buffer
-        _register(self._sharded_regs)
+        for params, name, p in self._sharded_regs:
+            params[name] = p
         if self._slot is not None:
             self._slot.give_back(self)
         else:
             _C.point_storage_at_nothing(self.unsharded)
-        self.sharded_state = ShardedState.SHARDED
+        self.sharded_state = _SHARDED
         self.gathered_ahead = False
         self.keep_for_backward = False
 
@@ -583,9 +592,23 @@ class FSDPParamGroup:
         AccumulateGrad as soon as it is ready, before the node that hands
         gradients to the unit's inputs, where this is called; the final
         callback calls it for the units autograd did not."""
-        if self.training_state == TrainingState.POST_BACKWARD:
+        if self.training_state is _POST_BACKWARD:
             return
-        self.training_state = TrainingState.POST_BACKWARD
+        self.training_state = _POST_BACKWARD
+        batch = self.grad_batch
+        if batch is not None:
+            self.grad_batch = None
+            if (not batch.launched and self.requires_gradient_sync and not self._accumulating
+                    and self._unsharded_params is not None):
+                # The common case, one C++ call: the .grads autograd left on the
+                # unsharded parameters are packed into the batch (planned after
+                # the root opened the transport) and cleared.
+                self.had_grad = batch.add_params(self)
+                if self.reshard_after_backward:
+                    self.reshard()
+                else:
+                    self._leave_pool()
+                return
         if not self._trainable and not self.has_pending_grads():
             self._reshard_after_backward()
             return
@@ -593,16 +616,6 @@ class FSDPParamGroup:
         # (requires_grad_(False)) between micro-batches of gradient
         # accumulation still reduces what it accumulated, as torch's FSDP2.
         keep = not self.requires_gradient_sync
-        batch, self.grad_batch = self.grad_batch, None
-        if (not keep and not self._accumulating and batch is not None and not batch.launched
-                and self._unsharded_params is not None):
-            # The common case, one C++ call: the .grads autograd left on the
-            # unsharded parameters are packed into the batch (planned after
-            # the root opened the transport) and cleared.
-            self._reduce_issued = time.monotonic_ns()
-            self.had_grad = batch.add_params(self)
-            self._reshard_after_backward()
-            return
         if keep or self._accumulating:
             for fp in self.fsdp_params:
                 if keep or fp.accumulated_grad is not None:
@@ -676,7 +689,9 @@ class FSDPParamGroup:
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
             self._timings += (kind, "backward", self._reduce_issued, needed, completed)
-            _hand_out_grads(reduce.output, [(self, 0)])
+            params, offsets = [], []
+            self.grads_to_hand_out(params, offsets, 0)
+            _hand_out_grads(reduce.output, self, params, offsets)
         # See [Note: resharding after backward]. (Most units resharded in their post-backward.)
         if self.sharded_state is not ShardedState.SHARDED:
             if self.reshard_after_backward or self.sharded_state is not ShardedState.UNSHARDED:
@@ -797,17 +812,15 @@ class FSDPParamGroup:
                 f"shard={self.shard_numel}, {self.sharded_state.name}, {self.training_state.name})")
 
 
-def _hand_out_grads(output: torch.Tensor, units: list) -> None:
+def _hand_out_grads(output: torch.Tensor, unit: FSDPParamGroup, params: list, offsets: list) -> None:
     """``output`` (this rank's reduced shards, in the reduce dtype) split into
-    the shards' ``.grad`` in one C++ call: ``units`` are (unit, where its part
-    of ``output`` starts), units of one dtype; the output is cast once where
-    the reduce dtype is not the shards'."""
-    params, offsets = [], []
-    for pg, base in units:
-        pg.grads_to_hand_out(params, offsets, base)
-    output = output.to(units[0][0].dtype)
-    if units[0][0].sharded:  # see [Note: the global norm of sharded gradients] in _clip_grad.py
-        clip_grad.mark_shard_grads(output, units[0][0].transport)
+    the ``.grad`` of the shards ``params`` (each from its offset in
+    ``output``; see ``grads_to_hand_out``) in one C++ call; ``unit``: one of
+    the units they belong to, all of one dtype. The output is cast once
+    where the reduce dtype is not the shards'."""
+    output = output.to(unit.dtype)
+    if unit.sharded:  # see [Note: the global norm of sharded gradients] in _clip_grad.py
+        clip_grad.mark_shard_grads(output, unit.transport)
     _C.hand_out_grads(output, params, offsets)
 
 
@@ -975,17 +988,53 @@ class UnshardPool:
         return sum(slot.nbytes for slot in self.slots)
 
 
+class ReduceLayout:
+    """Where the units of one reduce batch lie in its rank-major input (see
+    [Note: batched collectives]): each member's column in a row, and the
+    row's length. The root's reduce plan keeps it across iterations while
+    the batches it cuts stay the same (see _plan_backward in _fsdp_state.py),
+    with what finalize hands out in the common case."""
+
+    __slots__ = ("members", "columns", "row", "hand_out")
+
+    def __init__(self, members: list[FSDPParamGroup]):
+        self.members = members
+        self.columns: dict[int, int] = {}
+        row = 0
+        for pg in members:
+            self.columns[id(pg)] = row
+            row += pg.shard_numel
+        self.row = row
+        # (each member's trainable list, then the shards and offsets that
+        # _hand_out_grads gives them): when every member arrived and hands
+        # its trainable shards a .grad, and their trainable lists are still
+        # these objects (_take_up_requires_grad makes new ones).
+        self.hand_out: tuple | None = None
+
+    def trainable_hand_out(self) -> tuple[list, list]:
+        """The shards and offsets when every member hands out its trainable shards."""
+        trainable = [pg._trainable for pg in self.members]
+        cached = self.hand_out
+        if cached is None or any(a is not b for a, b in zip(cached[0], trainable)):
+            params, offsets = [], []
+            for pg in self.members:
+                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
+            self.hand_out = cached = (trainable, params, offsets)
+        return cached[1], cached[2]
+
+
 class GradBatch:
-    """Units whose gradients are reduce-scattered as one collective, chosen
-    by the root's reduce plan for one backward (see [Note: gather and reduce
-    plans] in _fsdp_state.py). Its input is rank-major, each member a column
-    of every rank's row (see [Note: batched collectives]); each member's
-    ``post_backward`` packs its gradients into its column; the last one to
-    arrive launches the collective. ``launch`` early (the root's final
-    callback, for a batch some member never reached) sends the collective
-    as planned, zeros in the columns of the members that did not arrive; a
-    later one then goes alone. ``finalize`` waits once and hands every
-    arrived member's shards their ``.grad``.
+    """Units whose gradients are reduce-scattered as one collective in one
+    backward, laid out by a ``ReduceLayout`` the root's reduce plan chose
+    (see [Note: gather and reduce plans] in _fsdp_state.py). Its input is
+    rank-major, each member a column of every rank's row (see [Note:
+    batched collectives]); each member's ``post_backward`` packs its
+    gradients into its column; the last one to arrive launches the
+    collective. ``launch`` early (the root's final callback, for a batch
+    some member never reached) sends the collective as planned, zeros in
+    the columns of the members that did not arrive; a later one then goes
+    alone. ``finalize`` waits once and hands every arrived member's shards
+    their ``.grad``.
 
     Its input is needed only until its collective is done: a batch whose
     first member arrives takes the input of an earlier batch of the same
@@ -996,18 +1045,15 @@ class GradBatch:
     the kernel at the end of the last iteration) costs a page fault per
     page at its first write."""
 
-    def __init__(self, members: list[FSDPParamGroup], siblings: list["GradBatch"]):
-        self.members = members
+    def __init__(self, layout: ReduceLayout, siblings: list["GradBatch"]):
+        self.layout = layout
+        self.members = layout.members
+        self.columns = layout.columns
+        self.row = layout.row
         self.siblings = siblings  # this backward's batches (this one among them once planned)
-        # Each member's column in a row, and the row's length.
-        self.columns: dict[int, int] = {}
-        row = 0
-        for pg in members:
-            self.columns[id(pg)] = row
-            row += pg.shard_numel
-        self.row = row
-        self.world_size = members[0].shard_world_size
-        transport = members[0].transport
+        first = layout.members[0]
+        self.world_size = first.shard_world_size
+        transport = first.transport
         self.copy_scale = collectives.copy_scale(transport)  # see [Note: where the 1/N goes]
         self.transport_scale = collectives.transport_scale(transport)
         self.input: torch.Tensor | None = None  # allocated at the first member's arrival
@@ -1025,9 +1071,13 @@ class GradBatch:
     def add_params(self, pg: FSDPParamGroup) -> list[bool]:
         """``add`` of the .grads on ``pg``'s unsharded parameters, which are
         cleared; returns which parameters had one."""
-        had = _C.pack_param_grads(pg._unsharded_params, pg._numels, self._input_for(pg), self.world_size,
-                                  self.columns[id(pg)], pg.shard_numel, self.copy_scale)
-        self._arrive(pg)
+        had = _C.pack_param_grads(pg._unsharded_params, pg._numels, self.input if self.input is not None
+                                  else self._input_for(pg), self.world_size, self.columns[id(pg)], pg.shard_numel,
+                                  self.copy_scale)
+        arrived = self.arrived
+        arrived.append(pg)
+        if len(arrived) == len(self.members):
+            self.launch()
         return had
 
     def _input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
@@ -1063,8 +1113,6 @@ class GradBatch:
         self.output = torch.empty(self.row, dtype=self.input.dtype)
         self.issued_ns = time.monotonic_ns()
         self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
-        for pg in self.arrived:
-            pg._reduce_issued = self.issued_ns
 
     def finalize(self) -> None:
         """Waits for the collective; records it for every arrived member and
@@ -1075,8 +1123,16 @@ class GradBatch:
         needed = time.monotonic_ns()
         completed = self.future.wait()
         self.future = None
+        arrived = self.arrived
         # The arrived members' parts, each at its column, in one C++ call.
-        _hand_out_grads(self.output, [(pg, self.columns[id(pg)]) for pg in self.arrived])
-        for pg in self.arrived:
-            pg._timings += ("reduce_scatter", "backward", self.issued_ns, needed, completed)
+        if len(arrived) == len(self.members) and all(pg._grads_for is None for pg in arrived):
+            _hand_out_grads(self.output, arrived[0], *self.layout.trainable_hand_out())
+        else:
+            params, offsets = [], []
+            for pg in arrived:
+                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
+            _hand_out_grads(self.output, arrived[0], params, offsets)
+        record = ("reduce_scatter", "backward", self.issued_ns, needed, completed)
+        for pg in arrived:
+            pg._timings += record
         self.input = self.output = None

@@ -92,8 +92,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ShardedState, TrainingState, UnshardPool,
-                                           unshard_units)
+from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ReduceLayout, ShardedState, TrainingState,
+                                           UnshardPool, unshard_units)
 
 __all__ = ["FSDPState", "state_of", "GatherPlan", "DEFAULT_BATCH_BYTES"]
 
@@ -168,6 +168,9 @@ class FSDPState:
         self._checked_row: torch.Tensor | None = None
         self.grad_batches: list[GradBatch] = []
         self.late_posters: set[int] = set()
+        # Root only: the reduce batches' layouts, kept while what they were
+        # cut from stays the same (see _plan_backward).
+        self._reduce_layouts: tuple | None = None
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
 
@@ -735,34 +738,47 @@ class FSDPState:
     def _plan_backward(self) -> None:
         """Root, at the first backward hook: the backward gather plan and the
         reduce batches. See [Note: gather and reduce plans]."""
-        self.backward_plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward", self._last_backward_plan)
-        self._last_backward_plan = self.backward_plan
-        self.backward_plan.start()
-        self.grad_batches = []
+        plan = self.backward_plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward",
+                                               self._last_backward_plan)
+        self._last_backward_plan = plan
+        plan.start()
+        late = self.late_posters
+        # Which units reduce: what the batches are cut from, with the plan's units.
+        reduces = [pg.sharded and pg.requires_gradient_sync and bool(pg._trainable) and id(state) not in late
+                   for state in plan.states if (pg := state.param_group) is not None]
+        key = (plan.states, reduces, self.batch_bytes)
+        cached = self._reduce_layouts
+        if cached is None or cached[0] is not key[0] or cached[1:3] != key[1:]:
+            self._reduce_layouts = cached = key + (self._cut_reduce_layouts(plan.states, reduces),)
+        batches = self.grad_batches = []
+        for state in plan.states:
+            state.param_group.grad_batch = None
+        for layout in cached[-1]:
+            batch = GradBatch(layout, batches)
+            for member in layout.members:
+                member.grad_batch = batch
+            batches.append(batch)
+
+    def _cut_reduce_layouts(self, states: list[FSDPState], reduces: list[bool]) -> list[ReduceLayout]:
+        """The reduce batches of a backward plan's units: runs of consecutive
+        units that reduce and batch with one another, up to batch_bytes of
+        gradients (in the reduce dtype); a unit alone is no batch."""
+        layouts: list[ReduceLayout] = []
         run: list[FSDPParamGroup] = []
         run_bytes = 0
-
-        def close_run():
-            if len(run) > 1:
-                batch = GradBatch(list(run), self.grad_batches)
-                for member in run:
-                    member.grad_batch = batch
-                self.grad_batches.append(batch)
-            run.clear()
-
-        for state in self.backward_plan.states:
+        for state, reduce in zip(states, reduces):
             pg = state.param_group
-            pg.grad_batch = None
-            reduces = (pg.sharded and pg.requires_gradient_sync and id(state) not in self.late_posters
-                       and bool(pg._trainable))
             nbytes = pg.padded_numel * torch.finfo(pg.reduce_dtype).bits // 8
-            if not reduces or (run and (run_bytes + nbytes > self.batch_bytes or not run[0].batches_with(pg))):
-                close_run()
-                run_bytes = 0
-            if reduces:
+            if not reduce or (run and (run_bytes + nbytes > self.batch_bytes or not run[0].batches_with(pg))):
+                if len(run) > 1:
+                    layouts.append(ReduceLayout(run))
+                run, run_bytes = [], 0
+            if reduce:
                 run.append(pg)
                 run_bytes += nbytes
-        close_run()
+        if len(run) > 1:
+            layouts.append(ReduceLayout(run))
+        return layouts
 
     def _register_post_backward(self, args, kwargs):
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -991,17 +1007,18 @@ class _OutputHook:
 
     def __call__(self, grad):
         self.fired = True
-        root = self.state.root
-        if not root.final_callback_queued:
-            root._begin_backward()  # the reduce plan must exist before a post-backward packs
+        state = self.state
+        if not state.root.final_callback_queued:
+            state.root._begin_backward()  # the reduce plan must exist before a post-backward packs
         pg = self.post_unit
         if pg is not None:
             if pg.training_state is _PRE_BACKWARD:  # its backward ran: see the note
                 pg.post_backward()
-            for pg in self.more_post_units or ():
-                if pg.training_state is _PRE_BACKWARD:
-                    pg.post_backward()
-        return self.state._pre_backward(grad)
+            if self.more_post_units is not None:
+                for pg in self.more_post_units:
+                    if pg.training_state is _PRE_BACKWARD:
+                        pg.post_backward()
+        state._pre_backward(grad)  # None: the gradient goes on as it is
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
