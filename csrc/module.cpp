@@ -215,6 +215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Each params[i].grad becomes output[offsets[i]:][:numel] in its shape, or that is added to it");
   m.def("point_storage_into", &pydist::point_storage_into, py::arg("buffer"), py::arg("slot"), py::arg("offset_bytes"),
         "Points buffer's empty storage at slot's bytes from offset_bytes on, without owning them");
+  m.def("point_storages_into", &pydist::point_storages_into, py::arg("buffers"), py::arg("slot"),
+        py::arg("offsets_bytes"), "point_storage_into of each buffer at its offset");
   m.def("point_storage_at_nothing", &pydist::point_storage_at_nothing, py::arg("buffer"),
         "Leaves buffer's storage with no memory (frees it if it owned it); returns the address it held");
 

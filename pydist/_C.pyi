@@ -200,6 +200,9 @@ def point_storage_into(buffer: torch.Tensor, slot: torch.Tensor, offset_bytes: i
     """Points ``buffer``'s storage (holding no memory) at ``slot``'s bytes from
     ``offset_bytes`` on, without owning them; the caller keeps ``slot`` alive."""
 
+def point_storages_into(buffers: Sequence[torch.Tensor], slot: torch.Tensor, offsets_bytes: Sequence[int]) -> None:
+    """point_storage_into of each buffer at its offset: a batch of units gathered into one slot."""
+
 def point_storage_at_nothing(buffer: torch.Tensor) -> int:
     """Leaves ``buffer``'s storage with no memory (frees it if it owned it);
     returns the address it held (0: none)."""

@@ -231,6 +231,13 @@ void point_storage_into(const at::Tensor& buffer, const at::Tensor& slot, int64_
   storage->set_nbytes(static_cast<size_t>(nbytes));
 }
 
+void point_storages_into(const std::vector<at::Tensor>& buffers, const at::Tensor& slot,
+                         const std::vector<int64_t>& offsets_bytes) {
+  TORCH_CHECK(buffers.size() == offsets_bytes.size(), "point_storages_into: ", buffers.size(), " buffers but ",
+              offsets_bytes.size(), " offsets");
+  for (size_t i = 0; i < buffers.size(); ++i) point_storage_into(buffers[i], slot, offsets_bytes[i]);
+}
+
 int64_t point_storage_at_nothing(const at::Tensor& buffer) {
   c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
   const auto held = reinterpret_cast<int64_t>(storage->data());

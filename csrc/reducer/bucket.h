@@ -143,6 +143,11 @@ void hand_out_grads(const at::Tensor& output, const std::vector<at::Tensor>& par
 // size. Called by pydist/fsdp's unshard, once per pooled unit and unshard.
 void point_storage_into(const at::Tensor& buffer, const at::Tensor& slot, int64_t offset_bytes);
 
+// point_storage_into of each buffers[i] at offsets_bytes[i]: a batch of
+// units gathered into one slot, in one call.
+void point_storages_into(const std::vector<at::Tensor>& buffers, const at::Tensor& slot,
+                         const std::vector<int64_t>& offsets_bytes);
+
 // Leaves `buffer`'s storage with no memory (a null pointer, 0 bytes), freeing
 // what it owned (a non-owning pointer into a slot frees nothing); returns the
 // address it held (0: none), which the pool checks. Called by pydist/fsdp's

@@ -444,7 +444,7 @@ class FSDPParamGroup:
         else:
             self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
         self._unshard_issue = (issued_ns, phase)
-        self.sharded_state = ShardedState.UNSHARDING
+        self.sharded_state = _UNSHARDING
 
     def _leave_pool(self) -> None:
         """Moves the unsharded buffer out of its pool slot into memory of its
@@ -485,7 +485,13 @@ class FSDPParamGroup:
                     pg._unshard_future = None
                     issued, phase = pg._unshard_issue
                     pg._timings += ("all_gather", phase, issued, found, completed)
-                    pg._register_unsharded()
+                    regs = pg._unsharded_regs
+                    if regs is None:
+                        pg._register_unsharded()
+                    else:
+                        for params, name, p in regs:
+                            params[name] = p
+                        pg.sharded_state = _UNSHARDED
 
     def _register_unsharded(self) -> None:
         """The all-gather is done: the full parameters go on the modules."""
@@ -854,28 +860,39 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
     """Starts the all-gather of the SHARDED units among ``groups`` (which
     ``batches_with`` one another) as one collective; one unit alone takes
     ``unshard``. See [Note: batched collectives] in _fsdp_collectives.py."""
-    groups = [g for g in groups if g.sharded_state == ShardedState.SHARDED]
+    groups = [g for g in groups if g.sharded_state is _SHARDED]
     if len(groups) <= 1:
         for g in groups:
             g.unshard(phase, pooled=True)
         return
-    # The members that may borrow share one slot, end to end (each aligned):
-    # see [Note: the unsharded buffer's memory].
-    offsets: dict[int, int] = {}
-    nbytes = 0
+    first = groups[0]
+    if first.transport is None:
+        first._check_transport("unshard")
+    # The members that may borrow (see may_borrow) share one slot, end to
+    # end, each aligned; the others own their memory. See [Note: the
+    # unsharded buffer's memory].
+    borrowers, offsets, nbytes = [], [], 0
+    if first.pool is not None:
+        forward = phase.startswith("forward")
+        backward = not forward and phase.startswith("backward")
+        for g in groups:
+            if (g.reshard_after_forward and not g.is_root) if forward else (backward and g.reshard_after_backward):
+                borrowers.append(g)
+                offsets.append(nbytes)
+                nbytes += -(-g.unsharded_nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+    slot = first.pool.take(nbytes) if borrowers else None
+    if slot is not None:
+        slot.place_all(borrowers, offsets)
+    issue = (time.monotonic_ns(), phase)
     for g in groups:
-        if g.may_borrow(phase):
-            offsets[id(g)] = nbytes
-            nbytes += -(-g.unsharded_nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
-    slot = groups[0].pool.take(nbytes) if offsets else None
-    issued = time.monotonic_ns()
-    for g in groups:
-        offset = offsets.get(id(g))
-        g._begin_unshard(phase, issued, slot if offset is not None else None, offset or 0)
+        if g._slot is None:
+            g.unsharded.untyped_storage().resize_(g.unsharded_nbytes)
+        g._unshard_issue = issue
+        g.sharded_state = _UNSHARDING
         if g.rank_views is None:
             g.rank_views = list(g.unsharded.split(g.shard_numel))
-    future = collectives.all_gather_units(groups[0].transport, [g.shard for g in groups], [g.unsharded for g in groups],
-                                          [g.rank_views for g in groups], groups[0].compute_dtype)
+    future = collectives.all_gather_units(first.transport, [g.shard for g in groups], [g.unsharded for g in groups],
+                                          [g.rank_views for g in groups], first.compute_dtype)
     future.members = groups  # the first wait unshards them all: see _wait_all_gather
     for g in groups:
         g._unshard_future = future
@@ -938,6 +955,21 @@ class PoolSlot:
         self.placed_end = end
         self.users[id(pg)] = (pg, offset)
         pg._slot = self
+
+    def place_all(self, groups: list[FSDPParamGroup], offsets: list[int]) -> None:
+        """``place`` of each of ``groups`` at its offset (ascending), in one C++ call."""
+        if not self.taken or (offsets and offsets[0] < self.placed_end):
+            raise RuntimeError(
+                f"pydist FSDP unshard pool: units {[pg.label for pg in groups]} placed in slot {self.index} "
+                + ("before the end of the last unit placed" if self.taken else "which is not taken")
+                + "; this is a bug in pydist"
+            )
+        _C.point_storages_into([pg.unsharded for pg in groups], self.memory, offsets)
+        users = self.users
+        for pg, offset in zip(groups, offsets):
+            users[id(pg)] = (pg, offset)
+            pg._slot = self
+        self.placed_end = offsets[-1] + groups[-1].unsharded_nbytes
 
     def give_back(self, pg: FSDPParamGroup) -> None:
         """``pg`` reshards: its storage holds nothing again; the slot is free

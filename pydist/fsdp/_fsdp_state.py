@@ -579,7 +579,12 @@ class FSDPState:
                         root.check_forward_order(self)
                     pg.wait_for_unshard("forward")
                 root.forward_order.append(self)
-                return self._join_or_register_post_backward(root, args, kwargs)
+                if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
+                    hook = root._last_hook  # see _join_or_register_post_backward
+                    if not hook.fired:
+                        hook.join(pg)
+                        return None  # args and kwargs as they are
+                return self._register_post_backward(args, kwargs)
         if self.root is None:
             self._lazy_init()
         root = self.root
@@ -661,8 +666,12 @@ class FSDPState:
     def _post_forward(self, module, args, output):
         pg = self.param_group
         if self.plain and pg.training_state is _FORWARD:
-            # See [Note: the hooks' fast path]: a unit, no casts.
-            pg.post_forward(pg.reshard_after_forward)
+            # See [Note: the hooks' fast path]: a unit, no casts; post_forward's common case first.
+            if pg.reshard_after_forward and not pg.keep_for_backward:
+                pg.reshard()
+                pg.training_state = _IDLE
+            else:
+                pg.post_forward(pg.reshard_after_forward)
         else:
             if self._recomputing:
                 self._recomputing = False
@@ -1018,7 +1027,17 @@ class _OutputHook:
                 for pg in self.more_post_units:
                     if pg.training_state is _PRE_BACKWARD:
                         pg.post_backward()
-        state._pre_backward(grad)  # None: the gradient goes on as it is
+        pg = state.param_group
+        plan = state.root.backward_plan
+        if (pg is not None and pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
+                and state.backward_prefetch is None and id(state) not in plan.heads):
+            # _pre_backward's common case (a unit its batch's gather unsharded, heading no batch, no
+            # prefetch targets): what it does then, in the same order.
+            pg.gathered_ahead = False
+            pg.training_state = _PRE_BACKWARD
+        else:
+            state._pre_backward(grad)
+        # None: the gradient goes on as it is
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
