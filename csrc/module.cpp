@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 
+#include "fsdp/output_gate.h"
 #include "reducer/reducer.h"
 #include "transport/comm_hook_transport.h"
 #include "transport/process_group_transport.h"
@@ -219,6 +220,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets_bytes"), "point_storage_into of each buffer at its offset");
   m.def("point_storage_at_nothing", &pydist::point_storage_at_nothing, py::arg("buffer"),
         "Leaves buffer's storage with no memory (frees it if it owned it); returns the address it held");
+
+  // pydist/fsdp's hooks on unit outputs: csrc/fsdp/output_gate.h.
+  py::class_<pydist::fsdp::OutputGate, std::shared_ptr<pydist::fsdp::OutputGate>>(
+      m, "OutputGate", "A unit output's backward hook that can be closed (csrc/fsdp/output_gate.h)")
+      .def(py::init<py::object>(), py::arg("callback"))
+      .def("attach", &pydist::fsdp::OutputGate::attach, py::arg("output"),
+           "Registers the gate as a backward hook of output (which requires grad)")
+      .def("close", &pydist::fsdp::OutputGate::close, py::arg("pack") = nullptr,
+           "From now on the hook returns at once, without the GIL, packing `pack` (a GradPack) when it fires")
+      .def_property_readonly("closed", &pydist::fsdp::OutputGate::closed);
+  py::class_<pydist::fsdp::GradPack, std::shared_ptr<pydist::fsdp::GradPack>>(
+      m, "GradPack", "One unit's gradients on their way into its reduce batch (csrc/fsdp/output_gate.h)")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t>(), py::arg("params"), py::arg("numels"),
+           py::arg("shard_numel"))
+      .def("aim", &pydist::fsdp::GradPack::aim, py::arg("input"), py::arg("world_size"), py::arg("column"),
+           py::arg("scale"))
+      .def("pack", &pydist::fsdp::GradPack::pack)
+      .def_property_readonly("packed", &pydist::fsdp::GradPack::packed)
+      .def("take_had", &pydist::fsdp::GradPack::take_had);
 
   m.def("streaming_isa", &pydist::ops::streaming_isa,
         "instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)");

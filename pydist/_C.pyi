@@ -207,5 +207,32 @@ def point_storage_at_nothing(buffer: torch.Tensor) -> int:
     """Leaves ``buffer``'s storage with no memory (frees it if it owned it);
     returns the address it held (0: none)."""
 
+# --- pydist/fsdp's hooks on unit outputs (csrc/fsdp/output_gate.h) ------------
+
+class OutputGate:
+    """A unit output's backward hook that can be closed: open, it calls
+    ``callback()`` under the GIL; closed, it returns at once without it."""
+
+    def __init__(self, callback: object) -> None: ...
+    def attach(self, output: torch.Tensor) -> None:
+        """Registers the gate as a backward hook of ``output`` (which requires grad)."""
+    def close(self, pack: GradPack | None = None) -> None:
+        """From now on the hook returns at once, packing ``pack`` when it fires."""
+    @property
+    def closed(self) -> bool: ...
+
+class GradPack:
+    """One unit's gradients on their way into its reduce batch's rank-major input."""
+
+    def __init__(self, params: Sequence[torch.Tensor], numels: Sequence[int], shard_numel: int) -> None: ...
+    def aim(self, input: torch.Tensor, world_size: int, column: int, scale: float) -> None:
+        """Where this backward's pack goes: input's column of world_size rows, times scale."""
+    def pack(self) -> None:
+        """pack_param_grads into the aim, once."""
+    @property
+    def packed(self) -> bool: ...
+    def take_had(self) -> list[bool]:
+        """Which parameters had a gradient, once packed; forgets the aim."""
+
 def streaming_isa() -> str:
     """Instruction set the CPU flatten kernels stream large buffers with (avx512, avx or none)."""

@@ -237,6 +237,10 @@ class FSDPParamGroup:
         # that packing does not read.
         self._unsharded_params: list[nn.Parameter] | None = (
             None if sharded else [fp.unsharded_param for fp in self.fsdp_params])
+        # The _C.GradPack of those gradients, once they exist (sharded units):
+        # what a closed output gate packs in a run (see [Note: runs of units]
+        # in _fsdp_state.py).
+        self._grad_pack = None
         self._accumulating = False
         # The trainable parameters (_take_up_requires_grad); every
         # parameter's numel, as the packing copy reads the layout.
@@ -307,6 +311,12 @@ class FSDPParamGroup:
         self.pool: UnshardPool | None = None
         self.is_root = False
         self._slot: PoolSlot | None = None
+        # The run of units this unit's backward is handled with this
+        # iteration (a _fsdp_state.UnitRun; None: alone), and the output hook
+        # of the unit before it in the run, until its post-forward links
+        # them. See [Note: runs of units] in _fsdp_state.py.
+        self.run = None
+        self._run_link = None
 
     def _registrations(self, which: str) -> list:
         """(module._parameters, name, the FSDPParam's ``which`` tensor) for
@@ -500,6 +510,7 @@ class FSDPParamGroup:
                 fp.init_unsharded_param(self.unsharded)
             self._unsharded_regs = self._registrations("unsharded_param")
             self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
+            self._grad_pack = _C.GradPack(self._unsharded_params, self._numels, self.shard_numel)
         _register(self._unsharded_regs)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -600,6 +611,10 @@ class FSDPParamGroup:
         callback calls it for the units autograd did not."""
         if self.training_state is _POST_BACKWARD:
             return
+        run = self.run
+        if run is not None and run.started and run.members[0].param_group is self:
+            run.finish()  # this unit's post-backward among the others': see [Note: runs of units]
+            return
         self.training_state = _POST_BACKWARD
         batch = self.grad_batch
         if batch is not None:
@@ -645,6 +660,38 @@ class FSDPParamGroup:
                 if fp.unsharded_param is not None:
                     fp.unsharded_param.grad = None
         self._reshard_after_backward()
+
+    def aimed_grad_pack(self):
+        """At a run's start: this unit's _C.GradPack aimed at its column of
+        its reduce batch, where its post-backward would take the common case
+        (the one C++ call); else None. See [Note: runs of units] in _fsdp_state.py."""
+        batch = self.grad_batch
+        pack = self._grad_pack
+        if pack is None or batch is None or batch.launched or not self.requires_gradient_sync or self._accumulating:
+            return None
+        pack.aim(batch.input if batch.input is not None else batch._input_for(self), batch.world_size,
+                 batch.columns[id(self)], batch.copy_scale)
+        return pack
+
+    def finish_packed(self) -> bool:
+        """At a run's finish: the rest of this unit's post-backward when a
+        closed gate packed its gradients (False: it did not; the unit's
+        post_backward does it all)."""
+        pack = self._grad_pack
+        if pack is None:
+            return False
+        if not pack.packed:
+            pack.take_had()  # forgets an aim that was never packed (and the input it holds)
+            return False
+        self.training_state = _POST_BACKWARD
+        batch, self.grad_batch = self.grad_batch, None
+        self.had_grad = pack.take_had()
+        batch._arrive(self)
+        if self.reshard_after_backward:
+            self.reshard()
+        else:
+            self._leave_pool()
+        return True
 
     def _reshard_after_backward(self) -> None:
         if self.reshard_after_backward:

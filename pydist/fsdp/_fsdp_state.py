@@ -83,7 +83,6 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -91,11 +90,12 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ReduceLayout, ShardedState, TrainingState,
                                            UnshardPool, unshard_units)
 
-__all__ = ["FSDPState", "state_of", "GatherPlan", "DEFAULT_BATCH_BYTES"]
+__all__ = ["FSDPState", "state_of", "GatherPlan", "UnitRun", "DEFAULT_BATCH_BYTES"]
 
 # Unsharded bytes of parameters (and of gradients) a root gathers (reduces)
 # as one collective: a piece of the shared-memory transport at two ranks
@@ -131,8 +131,14 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None
         # Whether the hooks may take their fast path: see [Note: the hooks'
-        # fast path]. Set by the root at each of its pre-forwards.
+        # fast path]. Set by the root at each of its pre-forwards, with
+        # whether the unit may be in a run (see [Note: runs of units]).
         self.plain = False
+        self.run_ok = False
+        # This forward gave the unit a post-backward point (it joined the
+        # previous unit's output hook, or its inputs took the Function): a
+        # run may start with it. See [Note: runs of units].
+        self.signalled = False
         # Root only: the states under it, in module order; the units in the
         # order their forward ran this iteration; whether the final callback
         # is queued for this backward.
@@ -154,6 +160,7 @@ class FSDPState:
         # done]); dropped at the root's post-forward, so no tensor outlives it here.
         self._last_hooked: torch.Tensor | None = None
         self._last_hook: _OutputHook | None = None
+        self._last_gate = None  # the _C.OutputGate _last_hook is called through
         # Root only: see [Note: gather and reduce plans]. How many unsharded
         # bytes go as one collective; this iteration's forward and backward
         # gather plans (None: no plan); the reduce batches of this backward;
@@ -308,6 +315,29 @@ class FSDPState:
             f"Call it on the root, and set {name!r} back to the default ({DEFAULT_BATCH_BYTES}) or never call it there"
         )
 
+    def extend_run(self, hook: _OutputHook, state: FSDPState) -> UnitRun | None:
+        """Root, at ``state``'s fast pre-forward: its unit took the one output
+        ``hook`` hooks, of the unit before it. Returns the run it continues
+        (or starts with that unit), or None. See [Note: runs of units]."""
+        prev = hook.state
+        plan = self.forward_plan
+        if not prev.run_ok or plan is None or plan.batches is None:
+            return None
+        position, batch_of = plan.position, plan.batch_of
+        batch = batch_of.get(position.get(id(state), -1), -1)
+        if batch < 0 or batch != batch_of.get(position.get(id(prev), -1), -1):
+            return None  # a run lies in one gather batch
+        run = prev.param_group.run
+        if run is None:
+            if not prev.signalled:
+                return None  # its post-backward comes from the final callback: no run starts with it
+            run = prev.param_group.run = UnitRun(prev)
+        elif run.members[-1] is not prev:
+            return None
+        run.members.append(state)
+        state.param_group._run_link = hook
+        return run
+
     # [Note: an iteration that raised]
     # A training loop may catch an exception from forward or backward (a bad
     # batch, out of memory, a custom Function's backward) and go on with the
@@ -351,7 +381,7 @@ class FSDPState:
             state._recomputing = False
             if state.param_group is not None:
                 state.param_group.abandon_iteration()
-        self._last_hooked = self._last_hook = None
+        self._last_hooked = self._last_hook = self._last_gate = None
         self.forward_order = []  # the next forward gathers as a first one
         self.backward_plan = None
         self.final_callback_queued = False
@@ -383,11 +413,13 @@ class FSDPState:
                 if changed or (pg.sharded and pg.sharded_state is not _SHARDED):
                     pg.sync_requires_grad()
                     synced = True
-                pg.clear_records()
+                pg._timings.clear()  # this iteration's records
                 pg.had_grad = None  # a backward that failed before its final callback
+                pg.run = None  # see [Note: runs of units]
             mp = state.mp_policy
             state.plain = (state is not self and pg is not None and not state.forward_prefetch
                            and (mp is None or (mp.param_dtype is None and mp.output_dtype is None)))
+            state.run_ok = state.plain and pg.sharded and state.backward_prefetch is None
         if synced:
             self._requires_grad = [p.requires_grad for p in self._sharded_params]
 
@@ -583,7 +615,10 @@ class FSDPState:
                     hook = root._last_hook  # see _join_or_register_post_backward
                     if not hook.fired:
                         hook.join(pg)
+                        self.signalled = True
+                        pg.run = root.extend_run(hook, self) if self.run_ok else None
                         return None  # args and kwargs as they are
+                pg.run = None
                 return self._register_post_backward(args, kwargs)
         if self.root is None:
             self._lazy_init()
@@ -660,6 +695,7 @@ class FSDPState:
             hook = root._last_hook
             if not hook.fired:
                 hook.join(self.param_group)
+                self.signalled = True
                 return args, kwargs
         return self._register_post_backward(args, kwargs)
 
@@ -685,7 +721,7 @@ class FSDPState:
             if self.is_root:
                 self.check_forward_order(None)
                 self._forward_open = False
-                self._last_hooked = self._last_hook = None
+                self._last_hooked = self._last_hook = self._last_gate = None
                 for state in self.all_states:  # gathered ahead for a forward that did not come
                     if state.param_group is not None and state.param_group.gathered_ahead:
                         state.param_group.reshard()
@@ -693,30 +729,35 @@ class FSDPState:
                     self.pool.release()  # no backward follows: see [Note: the unsharded buffer's memory]
             if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
+        run = pg.run if pg is not None else None
         if torch.is_grad_enabled():
             if isinstance(output, torch.Tensor):
                 if output.requires_grad:
-                    self._hook_output(output)
-                return output
-            flat, _ = tree_flatten(output)
-            for t in flat:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    self._hook_output(t)
+                    root = self.root
+                    before, gate_before = root._last_hook, root._last_gate
+                    hook = self._hook_output(output)
+                    if run is not None:
+                        run.link(self, hook, before, gate_before)
+                    return output
+            else:
+                flat, _ = tree_flatten(output)
+                for t in flat:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        self._hook_output(t)
+        if run is not None:
+            run.drop(self)  # no one hooked output to hand on
         return output
 
-    def _hook_output(self, t: torch.Tensor) -> None:
-        """Hooks one output tensor: see [Note: how a unit learns its backward is done]."""
+    def _hook_output(self, t: torch.Tensor) -> _OutputHook:
+        """Hooks one output tensor (through a _C.OutputGate: see [Note: runs
+        of units]): see [Note: how a unit learns its backward is done]."""
         hook = _OutputHook(self)
-        if t._backward_hooks is None and t.grad_fn is not None:
-            # Tensor.register_hook without the RemovableHandle (never removed):
-            # two objects fewer per unit and iteration for the garbage collector.
-            t._backward_hooks = hooks = OrderedDict()
-            t.grad_fn._register_hook_dict(t)
-            hooks[-1] = hook  # RemovableHandle ids count up from 0
-        else:
-            t.register_hook(hook)
+        gate = _C.OutputGate(hook)
+        gate.attach(t)
         if not self.is_root:  # the root's output feeds no unit; kept, it would outlive the forward
-            self.root._last_hooked, self.root._last_hook = t, hook
+            root = self.root
+            root._last_hooked, root._last_hook, root._last_gate = t, hook, gate
+        return hook
 
     def _begin_backward(self) -> None:
         """Root, at the first backward hook of an iteration: the final callback and the plans."""
@@ -724,7 +765,7 @@ class FSDPState:
         Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
         self._plan_backward()
 
-    def _pre_backward(self, grad):
+    def _pre_backward(self, grad=None):
         root = self.root
         if not root.final_callback_queued:
             root._begin_backward()
@@ -790,10 +831,12 @@ class FSDPState:
         return layouts
 
     def _register_post_backward(self, args, kwargs):
+        self.signalled = False
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             positions = [i for i, t in enumerate(args) if t.requires_grad]
             if not positions:
                 return args, kwargs
+            self.signalled = True
             outs = RegisterPostBackwardFunction.apply(self.param_group, *[args[i] for i in positions])
             args = list(args)
             for i, t in zip(positions, outs):
@@ -803,6 +846,7 @@ class FSDPState:
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return args, kwargs
+        self.signalled = True
         outs = RegisterPostBackwardFunction.apply(self.param_group, *[flat[i] for i in positions])
         for i, t in zip(positions, outs):
             flat[i] = t
@@ -991,15 +1035,116 @@ def _cast_floating(tree, dtype: torch.dtype):
 # as the Function (never reached) leaves it.
 
 
+# [Note: runs of units]
+# A unit's output hook is its pre-backward and the post-backward of the
+# unit that took that output as its one input (see [Note: how a unit learns
+# its backward is done]): in a model of many small units, a Python call per
+# unit per backward, plus each unit's bookkeeping. A run is consecutive
+# units of one gather batch (see [Note: gather and reduce plans]), each after
+# the first taking the one output of the one before it, all plain
+# ([Note: the hooks' fast path]), sharded and without backward prefetch
+# targets, the first with a post-backward point of its own (a joined hook,
+# or the Function on its inputs). Autograd then runs the run's backward in
+# one stretch, last unit first: every unit's backward waits for the one
+# after it, and the first unit's post-backward point waits for them all.
+# So:
+#   the last unit's output hook (run start) does the pre-backward of every
+#        unit of the run (its own first: it heads the gather of the batch),
+#        then closes the _C.OutputGate of every other unit's output hook;
+#        a closed gate returns in C++ without taking the GIL, having packed
+#        the gradients of the unit after it (whose backward has just ended:
+#        its hook would have) into that unit's reduce batch, while they are
+#        hot in cache (csrc/fsdp/output_gate.h);
+#   the first unit's post-backward (run finish) does the rest of every
+#        unit's post-backward (its own in full): arrival in the reduce
+#        batch, which launches it, and reshard.
+# The work per unit is what its own hooks would have done, in the same
+# collectives and order on every rank (the runs are cut from the same
+# forward on every rank), so the results are bitwise the same; what goes is
+# a Python call and its checks per unit. The forward finds the runs: a unit
+# continues the run of the unit before it at its pre-forward (extend_run),
+# and at its post-forward hands the gates collected so far to its own
+# output hook (UnitRun.link), so the run's last hook holds them all; a unit
+# that then turns out not to continue the run (another unit ran inside it,
+# or its output needs no hooking) leaves it (UnitRun.drop). A gate stays
+# open where the hook has other units to tell (more than one unit took the
+# output), and every gate stays open if the run never starts (its last
+# unit's output got no gradient while another output of the run did): the
+# hooks then do their work one by one, as without runs.
+
+
+class UnitRun:
+    """Units whose backward is handled as one. See [Note: runs of units]."""
+
+    __slots__ = ("members", "started")
+
+    def __init__(self, first: FSDPState):
+        self.members = [first]  # FSDPStates, in forward order
+        self.started = False  # its last unit's hook ran the run start
+
+    def link(self, state: FSDPState, hook: _OutputHook, before: _OutputHook | None, gate_before) -> None:
+        """``state`` (the run's last unit so far) hooked its output with
+        ``hook``; ``before`` and ``gate_before`` were the last output hook
+        and gate before it. Hands the gates collected so far on to ``hook``,
+        or takes ``state`` out of the run when a unit ran inside it."""
+        pg = state.param_group
+        link, pg._run_link = pg._run_link, None
+        if link is not before or self.members[-1] is not state:
+            self.drop(state)
+            return
+        closes = link.closes or []
+        link.closes = None
+        closes.append((gate_before, link))
+        hook.closes = closes
+
+    def drop(self, state: FSDPState) -> None:
+        """Takes ``state`` (the last unit) out of the run."""
+        state.param_group._run_link = None
+        if self.members[-1] is state:
+            self.members.pop()
+        state.param_group.run = None
+
+    def start(self, last: FSDPState, closes: list) -> None:
+        """The run's last unit's hook: every unit's pre-backward, the last
+        unit's first; then the other units' hooks are closed."""
+        self.started = True
+        last._pre_backward()
+        plan = last.root.backward_plan
+        for state in self.members[-2::-1]:
+            pg = state.param_group
+            if (pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
+                    and id(state) not in plan.heads):
+                pg.gathered_ahead = False  # _pre_backward's common case, as in _OutputHook.__call__
+                pg.training_state = _PRE_BACKWARD
+            else:
+                state._pre_backward()
+        for gate, hook in closes:
+            if hook.more_post_units is None:
+                gate.close(hook.post_unit.aimed_grad_pack() if hook.post_unit is not None else None)
+                hook.fired = True
+
+    def finish(self) -> None:
+        """The run's first unit's post-backward point: every unit's post-backward, last unit first."""
+        self.started = False
+        for state in reversed(self.members):
+            pg = state.param_group
+            pg.run = None
+            if pg.training_state is _PRE_BACKWARD and not pg.finish_packed():
+                pg.post_backward()
+
+
 class _OutputHook:
     """The hook on a tensor a unit returned: the unit's pre-backward, after
     the post-backward of the units that took the tensor as their one input.
     See [Note: how a unit learns its backward is done]."""
 
-    __slots__ = ("state", "post_unit", "more_post_units", "fired")
+    __slots__ = ("state", "post_unit", "more_post_units", "fired", "closes")
 
     def __init__(self, state: FSDPState):
         self.state = state  # the unit that returned the tensor
+        # A run's last unit's hook: the (gate, hook) of the other units'
+        # outputs, which the run start closes (see [Note: runs of units]).
+        self.closes: list | None = None
         # The units whose one input the tensor is: the first, then a list of
         # the others (usually none: one object fewer per unit and iteration).
         self.post_unit: FSDPParamGroup | None = None
@@ -1014,7 +1159,7 @@ class _OutputHook:
         else:
             self.more_post_units.append(pg)
 
-    def __call__(self, grad):
+    def __call__(self):
         self.fired = True
         state = self.state
         if not state.root.final_callback_queued:
@@ -1028,6 +1173,10 @@ class _OutputHook:
                     if pg.training_state is _PRE_BACKWARD:
                         pg.post_backward()
         pg = state.param_group
+        if pg is not None and pg.run is not None and self.closes is not None:
+            closes, self.closes = self.closes, None
+            pg.run.start(state, closes)
+            return
         plan = state.root.backward_plan
         if (pg is not None and pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
                 and state.backward_prefetch is None and id(state) not in plan.heads):
@@ -1036,8 +1185,7 @@ class _OutputHook:
             pg.gathered_ahead = False
             pg.training_state = _PRE_BACKWARD
         else:
-            state._pre_backward(grad)
-        # None: the gradient goes on as it is
+            state._pre_backward()
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
