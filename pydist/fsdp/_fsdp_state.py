@@ -788,8 +788,18 @@ class FSDPState:
     def _plan_backward(self) -> None:
         """Root, at the first backward hook: the backward gather plan and the
         reduce batches. See [Note: gather and reduce plans]."""
-        plan = self.backward_plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward",
-                                               self._last_backward_plan)
+        forward = self.forward_plan
+        if (forward is not None and forward.batches is not None and forward.flat
+                and forward.order == self.forward_order):
+            # The forward ran as planned, no unit inside another: its
+            # batches, last first (so a run of units is one gather; see
+            # [Note: runs of units]). (A unit around others begins its
+            # backward before theirs, so reversed forward batches would
+            # split it from them.)
+            plan = GatherPlan.backward_of(forward, self._last_backward_plan)
+        else:
+            plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward", self._last_backward_plan)
+        self.backward_plan = plan
         self._last_backward_plan = plan
         plan.start()
         late = self.late_posters
@@ -871,6 +881,8 @@ class GatherPlan:
         self.batches: list[list[int]] | None = None
         self.batch_of: dict[int, int] = {}
         self.issued = 0
+        self.made_from: list | None = None  # backward_of's: the forward batches it was made from
+        self.flat = False  # forward: no unit of the plan lies inside another (the root aside)
         if (last is not None and last.reusable and last.phase == phase and last.batch_bytes == batch_bytes
                 and last.order == order):
             # The units of last iteration's plan in the same order: its
@@ -879,6 +891,7 @@ class GatherPlan:
             # same on every rank (see [Note: ranks that run different units]).
             self.states, self.position = last.states, last.position
             self.batches, self.batch_of = last.batches, last.batch_of
+            self.flat = last.flat
             self.reusable = True
             return
         seen: set[int] = set()
@@ -896,6 +909,7 @@ class GatherPlan:
         self.reusable = phase != "forward" or all(s.param_group.sharded_state is ShardedState.SHARDED
                                                   for s in self.states)
         if phase == "forward":
+            self.flat = all(s.param_group.enclosing is None for s in self.states)
             self.batches = []
             start = 0
             while start < len(self.states):
@@ -905,10 +919,40 @@ class GatherPlan:
                         self.batch_of[k] = len(self.batches)
                     self.batches.append(members)
 
+    @classmethod
+    def backward_of(cls, forward: GatherPlan, last: GatherPlan | None) -> GatherPlan:
+        """The backward plan of a forward that ran the units ``forward``
+        planned, in its order: its batches, the last first, each from its
+        last unit; the layout of ``last`` where it was made from the same
+        forward batches (which a reused forward layout shares)."""
+        plan = cls.__new__(cls)
+        plan.order = forward.order[::-1]
+        plan.batch_bytes = forward.batch_bytes
+        plan.phase = "backward"
+        plan.cursor, plan.heads, plan.kept, plan.issued = 0, set(), [], 0
+        plan.reusable = False  # (GatherPlan's own reuse is for plans cut here)
+        plan.made_from = forward.batches
+        if last is not None and last.made_from is forward.batches:
+            plan.states, plan.position, plan.batches, plan.batch_of = (last.states, last.position, last.batches,
+                                                                      last.batch_of)
+            return plan
+        n = len(forward.states)
+        plan.states = forward.states[::-1]
+        plan.position = {id(s): i for i, s in enumerate(plan.states)}
+        plan.batches = [[n - 1 - k for k in reversed(members)] for members in reversed(forward.batches)]
+        plan.batch_of = {k: b for b, members in enumerate(plan.batches) for k in members}
+        return plan
+
     def start(self) -> None:
         """Backward, at its first hook: when the first units are unsharded
         already (the forward's last batch, kept), the first batch to gather
         goes out now, ahead, so it travels while they compute."""
+        if self.batches is not None:
+            if self.batches:
+                self._issue_batch(self.phase)  # gathers nothing when the forward kept it
+                if not self.heads and self.issued < len(self.batches):
+                    self._issue_batch(self.phase + "_prefetch")
+            return
         if self.states and self.states[0].param_group.sharded_state is not ShardedState.SHARDED:
             self._issue(0, self.phase + "_prefetch")
 
@@ -955,7 +999,7 @@ class GatherPlan:
                    if self.states[k].param_group.sharded_state == ShardedState.SHARDED]
         self.issued += 1
         self._gather(members, phase)
-        if self.issued == len(self.batches) and members and torch.is_grad_enabled():
+        if self.phase == "forward" and self.issued == len(self.batches) and members and torch.is_grad_enabled():
             self._keep_for_backward([self.states[k].param_group for k in members])
 
     def _keep_for_backward(self, groups: list[FSDPParamGroup]) -> None:
