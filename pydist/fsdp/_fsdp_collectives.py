@@ -35,6 +35,7 @@ sums what it gets. With two ranks ``g_0/2 + g_1/2`` is bitwise torch's
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Sequence
 
 import torch
@@ -132,9 +133,10 @@ class UnitsGather:
     idempotent: every unit of the batch calls it. See [Note: batched
     collectives]."""
 
-    def __init__(self, future, preserve, inputs: list):
+    def __init__(self, future, outputs: tuple, versions: tuple, inputs: list):
         self.future = future  # pydist.transport.TransportFuture; until the wait
-        self.preserve = preserve  # restores the outputs' version counters at the wait
+        # The outputs and their version counters before the gather, put back at the wait.
+        self.outputs, self.versions = outputs, versions
         self.inputs = inputs  # the shards sent (cast copies under mixed precision): alive until done
         self.completed: int | None = None
         # The units gathered, which the first to wait unshards (set by unshard_units).
@@ -147,24 +149,32 @@ class UnitsGather:
             # shared-memory worker writes through data pointers (no bump), but
             # another transport's copy out (ops.unflatten_into, on the thread
             # that completed the gather) bumps them.
-            self.preserve.__exit__(None, None, None)
+            torch._C._autograd._unsafe_set_version_counter(self.outputs, self.versions)
             self.completed = completed
             # the handle holds the batch's tensors too: let go of them here, with the GIL
-            self.future = self.preserve = self.inputs = None
+            self.future = self.outputs = self.inputs = None
         return self.completed
 
 
-def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                     rank_views: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> UnitsGather:
+def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: tuple[torch.Tensor, ...],
+                     per_rank: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> UnitsGather:
     """Starts gathering several units' shards as one collective: ``shards[i]``
-    (cast to ``dtype``) of every rank q lands in ``rank_views[i][q]``, a view
+    (cast to ``dtype``) of every rank q lands in ``per_rank[q][i]``, a view
     of ``outputs[i]``. ``wait()`` before reading any output. See [Note:
     batched collectives]."""
-    inputs = [shard if shard.dtype == dtype else shard.to(dtype) for shard in shards]
-    per_rank = [[views[q] for views in rank_views] for q in range(transport.world_size)]
+    inputs = shards if shards[0].dtype == dtype else [shard.to(dtype) for shard in shards]  # the units share a dtype
     # The counters are recorded before the transport may write (see all_gather_unit).
-    preserve = torch.autograd._unsafe_preserve_version_counter(tuple(outputs))
-    return UnitsGather(transport.all_gather_many(inputs, per_rank), preserve, inputs)
+    versions = tuple(map(_version_of, outputs))
+    return UnitsGather(transport.all_gather_many(inputs, per_rank), outputs, versions, inputs)
+
+
+_version_of = operator.attrgetter("_version")
+
+
+def rank_major(rank_views: Sequence[Sequence[torch.Tensor]], world_size: int) -> list[list[torch.Tensor]]:
+    """Each unit's per-rank views (``rank_views[i][q]``), regrouped per rank:
+    what ``all_gather_units`` takes as ``per_rank``."""
+    return [[views[q] for views in rank_views] for q in range(world_size)]
 
 
 def copy_scale(transport) -> float:

@@ -278,11 +278,12 @@ class FSDPParamGroup:
         self._unshard_future = None
         self._unshard_issue: tuple[int, str] = (0, "")
         # This iteration's collectives (the root clears them at its pre-forward),
-        # as flat (kind, phase, issued, needed, completed) runs: strings and
-        # ints, which the garbage collector does not track, where a
-        # CollectiveRecord per collective would be three tracked objects per
-        # unit per iteration that live on into the next (and make Python's
-        # full collections come more often). ``records`` builds them.
+        # as (kind, phase, issued, needed, completed) tuples, one per
+        # collective, shared by the units of a batch: strings and ints, which
+        # the garbage collector stops tracking, where a CollectiveRecord per
+        # collective would be three tracked objects per unit per iteration
+        # that live on into the next (and make Python's full collections come
+        # more often). ``records`` builds them.
         self._timings: list = []
         # The reduce-scatter started in post_backward, waited in finalize_backward,
         # and when it was started.
@@ -311,6 +312,9 @@ class FSDPParamGroup:
         self.pool: UnshardPool | None = None
         self.is_root = False
         self._slot: PoolSlot | None = None
+        # unshard_units' lists of the batch this unit heads: (the units,
+        # their shards, their buffers, the buffers' per-rank views rank-major).
+        self._gather_lists: tuple | None = None
         # The run of units this unit's backward is handled with this
         # iteration (a _fsdp_state.UnitRun; None: alone), and the output hook
         # of the unit before it in the run, until its post-forward links
@@ -319,9 +323,11 @@ class FSDPParamGroup:
         self._run_link = None
 
     def _registrations(self, which: str) -> list:
-        """(module._parameters, name, the FSDPParam's ``which`` tensor) for
-        every place a parameter is registered: what ``_register`` puts there."""
-        return [(i.module._parameters, i.name, getattr(fp, which)) for fp in self.fsdp_params for i in fp.module_infos]
+        """What ``_register`` puts in place: every place a parameter is
+        registered, with the FSDPParam's ``which`` tensor, grouped as
+        (module._parameters, {name: tensor}) per module."""
+        return registrations((i.module._parameters, i.name, getattr(fp, which))
+                             for fp in self.fsdp_params for i in fp.module_infos)
 
     def _shard_of(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """This rank's shard of ``params`` (the unit's, full size) laid out
@@ -485,22 +491,22 @@ class FSDPParamGroup:
         completed = future.wait()
         self._unshard_future = None
         issued, phase = self._unshard_issue
-        self._timings += ("all_gather", phase, issued, needed, completed)
+        self._timings.append(("all_gather", phase, issued, needed, completed))
         mates = getattr(future, "members", None)
         if mates is not None:
             future.members = None
-            found = time.monotonic_ns()
+            issued, phase = self._unshard_issue  # the batch's, every member's
+            record = ("all_gather", phase, issued, time.monotonic_ns(), completed)
             for pg in mates:
                 if pg._unshard_future is future:
                     pg._unshard_future = None
-                    issued, phase = pg._unshard_issue
-                    pg._timings += ("all_gather", phase, issued, found, completed)
+                    pg._timings.append(record)
                     regs = pg._unsharded_regs
                     if regs is None:
                         pg._register_unsharded()
                     else:
-                        for params, name, p in regs:
-                            params[name] = p
+                        for params, tensors in regs:
+                            params.update(tensors)
                         pg.sharded_state = _UNSHARDED
 
     def _register_unsharded(self) -> None:
@@ -533,8 +539,8 @@ class FSDPParamGroup:
             return
         if state is _UNSHARDING:
             self._wait_all_gather()  # the transport is still writing the buffer
-        for params, name, p in self._sharded_regs:
-            params[name] = p
+        for params, tensors in self._sharded_regs:
+            params.update(tensors)
         if self._slot is not None:
             self._slot.give_back(self)
         else:
@@ -741,7 +747,7 @@ class FSDPParamGroup:
             needed = time.monotonic_ns()
             completed = reduce.future.wait()
             kind = "reduce_scatter" if self.sharded else "all_reduce"
-            self._timings += (kind, "backward", self._reduce_issued, needed, completed)
+            self._timings.append((kind, "backward", self._reduce_issued, needed, completed))
             params, offsets = [], []
             self.grads_to_hand_out(params, offsets, 0)
             _hand_out_grads(reduce.output, self, params, offsets)
@@ -779,12 +785,17 @@ class FSDPParamGroup:
         if changed:
             self._take_up_requires_grad()
 
+    # Counts the calls of _take_up_requires_grad in this process: a
+    # ReduceLayout's cached hand-out list holds while it stays.
+    trainable_epoch = 0
+
     def _take_up_requires_grad(self) -> None:
         """The trainable parameters, and whether every parameter is one (then
         the gradients are one run of the flat layout when all are present),
         from each FSDPParam's ``requires_grad``."""
         self._trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
         self._all_trainable = len(self._trainable) == len(self.fsdp_params)
+        FSDPParamGroup.trainable_epoch += 1
 
     def abandon_iteration(self) -> None:
         """After an iteration raised (see [Note: an iteration that raised] in
@@ -842,8 +853,7 @@ class FSDPParamGroup:
     @property
     def records(self) -> list[CollectiveRecord]:
         """This iteration's collectives so far, in the order they were waited on."""
-        t = self._timings
-        return [CollectiveRecord(self.label, *t[i:i + 5]) for i in range(0, len(t), 5)]
+        return [CollectiveRecord(self.label, *t) for t in self._timings]
 
     def clear_records(self) -> None:
         self._timings.clear()
@@ -897,10 +907,20 @@ def _digests(flat: torch.Tensor, numels: Sequence[int]) -> torch.Tensor | None:
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
+def registrations(places) -> list:
+    """(module._parameters, name, tensor) triples grouped as
+    (module._parameters, {name: tensor}) per module: what ``_register`` takes."""
+    grouped: dict[int, tuple[dict, dict]] = {}
+    for params, name, p in places:
+        grouped.setdefault(id(params), (params, {}))[1][name] = p
+    return list(grouped.values())
+
+
 def _register(regs: list) -> None:
-    """Puts each (module._parameters, name, tensor) of ``regs`` in place."""
-    for params, name, p in regs:
-        params[name] = p
+    """Puts the tensors of ``regs`` (see ``registrations``) in place: one
+    dict update per module."""
+    for params, tensors in regs:
+        params.update(tensors)
 
 
 def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
@@ -927,9 +947,13 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
                 borrowers.append(g)
                 offsets.append(nbytes)
                 nbytes += -(-g.unsharded_nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+    cached = first._gather_lists  # see below
+    if cached is not None and cached[0] != groups:
+        cached = None
     slot = first.pool.take(nbytes) if borrowers else None
     if slot is not None:
-        slot.place_all(borrowers, offsets)
+        slot.place_all(borrowers, offsets,
+                       cached[2] if cached is not None and len(borrowers) == len(groups) else None)
     issue = (time.monotonic_ns(), phase)
     for g in groups:
         if g._slot is None:
@@ -938,8 +962,12 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
         g.sharded_state = _UNSHARDING
         if g.rank_views is None:
             g.rank_views = list(g.unsharded.split(g.shard_numel))
-    future = collectives.all_gather_units(first.transport, [g.shard for g in groups], [g.unsharded for g in groups],
-                                          [g.rank_views for g in groups], first.compute_dtype)
+    # The same units gather as one batch every iteration: their tensors'
+    # lists are made once (the shards, buffers and views are the units' for good).
+    if cached is None:
+        cached = first._gather_lists = (groups, [g.shard for g in groups], tuple(g.unsharded for g in groups),
+                                        collectives.rank_major([g.rank_views for g in groups], first.world_size))
+    future = collectives.all_gather_units(first.transport, cached[1], cached[2], cached[3], first.compute_dtype)
     future.members = groups  # the first wait unshards them all: see _wait_all_gather
     for g in groups:
         g._unshard_future = future
@@ -1003,15 +1031,16 @@ class PoolSlot:
         self.users[id(pg)] = (pg, offset)
         pg._slot = self
 
-    def place_all(self, groups: list[FSDPParamGroup], offsets: list[int]) -> None:
-        """``place`` of each of ``groups`` at its offset (ascending), in one C++ call."""
+    def place_all(self, groups: list[FSDPParamGroup], offsets: list[int], buffers=None) -> None:
+        """``place`` of each of ``groups`` at its offset (ascending), in one
+        C++ call; ``buffers``: their unsharded buffers, where the caller has them."""
         if not self.taken or (offsets and offsets[0] < self.placed_end):
             raise RuntimeError(
                 f"pydist FSDP unshard pool: units {[pg.label for pg in groups]} placed in slot {self.index} "
                 + ("before the end of the last unit placed" if self.taken else "which is not taken")
                 + "; this is a bug in pydist"
             )
-        _C.point_storages_into([pg.unsharded for pg in groups], self.memory, offsets)
+        _C.point_storages_into(buffers or [pg.unsharded for pg in groups], self.memory, offsets)
         users = self.users
         for pg, offset in zip(groups, offsets):
             users[id(pg)] = (pg, offset)
@@ -1084,21 +1113,19 @@ class ReduceLayout:
             self.columns[id(pg)] = row
             row += pg.shard_numel
         self.row = row
-        # (each member's trainable list, then the shards and offsets that
+        # (FSDPParamGroup.trainable_epoch, then the shards and offsets that
         # _hand_out_grads gives them): when every member arrived and hands
-        # its trainable shards a .grad, and their trainable lists are still
-        # these objects (_take_up_requires_grad makes new ones).
+        # its trainable shards a .grad, while no unit's trainable list changed.
         self.hand_out: tuple | None = None
 
     def trainable_hand_out(self) -> tuple[list, list]:
         """The shards and offsets when every member hands out its trainable shards."""
-        trainable = [pg._trainable for pg in self.members]
         cached = self.hand_out
-        if cached is None or any(a is not b for a, b in zip(cached[0], trainable)):
+        if cached is None or cached[0] != FSDPParamGroup.trainable_epoch:
             params, offsets = [], []
             for pg in self.members:
                 pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
-            self.hand_out = cached = (trainable, params, offsets)
+            self.hand_out = cached = (FSDPParamGroup.trainable_epoch, params, offsets)
         return cached[1], cached[2]
 
 
@@ -1193,9 +1220,10 @@ class GradBatch:
         self.issued_ns = time.monotonic_ns()
         self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
 
-    def finalize(self) -> None:
+    def finalize(self, all_trainable: bool = False) -> None:
         """Waits for the collective; records it for every arrived member and
-        hands their shards their ``.grad``."""
+        hands their shards their ``.grad``. ``all_trainable``: every unit
+        hands out its trainable shards (no unit's ``_grads_for`` is set)."""
         self.siblings = None  # the list holds this batch: leave no cycle for the garbage collector
         if self.future is None:
             return
@@ -1204,7 +1232,7 @@ class GradBatch:
         self.future = None
         arrived = self.arrived
         # The arrived members' parts, each at its column, in one C++ call.
-        if len(arrived) == len(self.members) and all(pg._grads_for is None for pg in arrived):
+        if len(arrived) == len(self.members) and (all_trainable or all(pg._grads_for is None for pg in arrived)):
             _hand_out_grads(self.output, arrived[0], *self.layout.trainable_hand_out())
         else:
             params, offsets = [], []
@@ -1213,5 +1241,5 @@ class GradBatch:
             _hand_out_grads(self.output, arrived[0], params, offsets)
         record = ("reduce_scatter", "backward", self.issued_ns, needed, completed)
         for pg in arrived:
-            pg._timings += record
+            pg._timings.append(record)
         self.input = self.output = None

@@ -81,6 +81,7 @@ its own, one unit ahead.
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 import time
 from typing import Any
@@ -101,6 +102,8 @@ __all__ = ["FSDPState", "state_of", "GatherPlan", "UnitRun", "DEFAULT_BATCH_BYTE
 # as one collective: a piece of the shared-memory transport at two ranks
 # holds half of it (see kShmPieceBytes in csrc/transport/shm_transport.h).
 DEFAULT_BATCH_BYTES = 1 << 20
+
+_requires_grad_of = operator.attrgetter("requires_grad")
 
 # The states the hooks' fast paths test by identity.
 _IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
@@ -245,10 +248,9 @@ class FSDPState:
         self.transport = transport
         self._built_checked = False  # see [Note: every rank builds the same model]
         # What the optimizer steps on, and the requires_grad each unit has taken up.
-        self._sharded_params = [fp.sharded_param for s in self.all_states if s.param_group is not None
-                                for fp in s.param_group.fsdp_params]
-        self._requires_grad = [fp.requires_grad for s in self.all_states if s.param_group is not None
-                               for fp in s.param_group.fsdp_params]
+        self._units = [s.param_group for s in self.all_states if s.param_group is not None]
+        self._sharded_params = [fp.sharded_param for pg in self._units for fp in pg.fsdp_params]
+        self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]  # (taken up)
 
     # [Note: every rank builds the same model]
     # fully_shard keeps each rank's shard of the values that rank built: no
@@ -323,9 +325,9 @@ class FSDPState:
         plan = self.forward_plan
         if not prev.run_ok or plan is None or plan.batches is None:
             return None
-        position, batch_of = plan.position, plan.batch_of
-        batch = batch_of.get(position.get(id(state), -1), -1)
-        if batch < 0 or batch != batch_of.get(position.get(id(prev), -1), -1):
+        batch_of_state = plan.batch_of_state
+        batch = batch_of_state.get(id(state))
+        if batch is None or batch != batch_of_state.get(id(prev)):
             return None  # a run lies in one gather batch
         run = prev.param_group.run
         if run is None:
@@ -405,7 +407,7 @@ class FSDPState:
         # requires_grad switched since the last forward: on model.parameters()
         # (one pass over them here), or on the unsharded parameters of a unit
         # left unsharded, which its module held. See sync_requires_grad.
-        changed = [p.requires_grad for p in self._sharded_params] != self._requires_grad
+        changed = list(map(_requires_grad_of, self._sharded_params)) != self._requires_grad
         synced = False
         for state in self.all_states:
             pg = state.param_group
@@ -421,7 +423,7 @@ class FSDPState:
                            and (mp is None or (mp.param_dtype is None and mp.output_dtype is None)))
             state.run_ok = state.plain and pg.sharded and state.backward_prefetch is None
         if synced:
-            self._requires_grad = [p.requires_grad for p in self._sharded_params]
+            self._requires_grad = list(map(_requires_grad_of, self._sharded_params))
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
@@ -448,34 +450,41 @@ class FSDPState:
         batches, self.grad_batches = self.grad_batches, []
         for batch in batches:
             batch.launch()  # those some member never reached (a unit skipped this backward)
-        self._agree_on_grads()
+        all_trainable = self._agree_on_grads()
         for batch in batches:
-            batch.finalize()  # one wait per batch; its members' shards get their .grad
+            batch.finalize(all_trainable)  # one wait per batch; its members' shards get their .grad
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.finalize_backward()
         self.pool.release()  # see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
 
-    def _agree_on_grads(self) -> None:
+    def _agree_on_grads(self) -> bool:
         """Sums the units' had_grad flags over the ranks, so that every rank
         hands out the same parameters' .grad: see [Note: parameters without
-        a gradient] in _fsdp_param_group.py."""
-        units = [pg for state in self.all_states if (pg := state.param_group) is not None and pg.had_grad is not None]
+        a gradient] in _fsdp_param_group.py. Returns whether every unit that
+        reduced hands out exactly its trainable shards."""
+        units = [pg for pg in self._units if pg.had_grad is not None]
         if not units:
-            return
+            return False
         flags = torch.tensor(list(itertools.chain.from_iterable(pg.had_grad for pg in units)), dtype=torch.float32)
         counts = collectives.all_reduce_sum(self.transport, flags).tolist()
         if all(counts):  # every parameter had a gradient on some rank: the common case, in one pass
+            all_trainable = True
             for pg in units:
                 pg.had_grad = None
-                pg._grads_for = None if pg._all_trainable else pg.fsdp_params
-            return
+                if pg._all_trainable:
+                    pg._grads_for = None
+                else:
+                    pg._grads_for = pg.fsdp_params
+                    all_trainable = False
+            return all_trainable
         start = 0
         for pg in units:
             end = start + len(pg.fsdp_params)
             pg.take_grads_anywhere(counts[start:end])
             start = end
+        return False
 
     # [Note: ranks that run different units]
     # Every rank must run the same units in the same order: their collectives
@@ -602,7 +611,7 @@ class FSDPState:
                 # below does for a unit in this case, in the same order.
                 self.forward_iteration = root.iteration
                 plan = root.forward_plan
-                if plan is not None and (pg.sharded_state is _SHARDED or id(self) in plan.heads):
+                if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
                     plan.need(self)
                 pg.gathered_ahead = False
                 pg.training_state = _FORWARD
@@ -775,7 +784,7 @@ class FSDPState:
         if pg.training_state is _POST_BACKWARD:
             pg.pre_backward()  # raises: backward reached the unit again after its gradients were reduced
         plan = root.backward_plan
-        if plan is not None and (pg.sharded_state is _SHARDED or id(self) in plan.heads):
+        if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
             plan.need(self)  # (nothing to do for a unit gathered with its batch that does not head one)
         pg.gathered_ahead = False
         if pg.pre_backward() and self.backward_prefetch is not None:
@@ -872,7 +881,7 @@ class GatherPlan:
         self.batch_bytes = batch_bytes
         self.phase = phase  # "forward" or "backward": records name the collectives by it
         self.cursor = 0  # every unit before it has been considered for a batch
-        self.heads: set[int] = set()  # first units of batches issued ahead: starting one issues the next
+        self.heads: set[int] = set()  # ids of the first units (param groups) of batches issued ahead: starting one issues the next
         self.kept: list[FSDPParamGroup] = []  # forward: the last batch, left unsharded for backward
         # Forward only: the batches, cut now from the units' states at the
         # root's pre-forward (the same on every rank), issued in this order
@@ -880,6 +889,8 @@ class GatherPlan:
         # [Note: ranks that run different units].
         self.batches: list[list[int]] | None = None
         self.batch_of: dict[int, int] = {}
+        self.batch_of_state: dict[int, int] = {}  # forward: batch_of by id(state)
+        self.batch_groups: list[list[FSDPParamGroup]] = []  # each batch's units (param groups)
         self.issued = 0
         self.made_from: list | None = None  # backward_of's: the forward batches it was made from
         self.flat = False  # forward: no unit of the plan lies inside another (the root aside)
@@ -891,7 +902,7 @@ class GatherPlan:
             # same on every rank (see [Note: ranks that run different units]).
             self.states, self.position = last.states, last.position
             self.batches, self.batch_of = last.batches, last.batch_of
-            self.flat = last.flat
+            self.batch_of_state, self.flat, self.batch_groups = last.batch_of_state, last.flat, last.batch_groups
             self.reusable = True
             return
         seen: set[int] = set()
@@ -917,7 +928,9 @@ class GatherPlan:
                 if members:
                     for k in members:
                         self.batch_of[k] = len(self.batches)
+                        self.batch_of_state[id(self.states[k])] = len(self.batches)
                     self.batches.append(members)
+                    self.batch_groups.append([self.states[k].param_group for k in members])
 
     @classmethod
     def backward_of(cls, forward: GatherPlan, last: GatherPlan | None) -> GatherPlan:
@@ -935,12 +948,14 @@ class GatherPlan:
         if last is not None and last.made_from is forward.batches:
             plan.states, plan.position, plan.batches, plan.batch_of = (last.states, last.position, last.batches,
                                                                       last.batch_of)
+            plan.batch_groups = last.batch_groups
             return plan
         n = len(forward.states)
         plan.states = forward.states[::-1]
         plan.position = {id(s): i for i, s in enumerate(plan.states)}
         plan.batches = [[n - 1 - k for k in reversed(members)] for members in reversed(forward.batches)]
         plan.batch_of = {k: b for b, members in enumerate(plan.batches) for k in members}
+        plan.batch_groups = [[plan.states[k].param_group for k in members] for members in plan.batches]
         return plan
 
     def start(self) -> None:
@@ -976,15 +991,15 @@ class GatherPlan:
             b = self.batch_of.get(i, -1)
             while self.issued <= b:  # with the batches of units this rank skipped before it
                 self._issue_batch(self.phase)
-            if id(state) in self.heads:
-                self.heads.discard(id(state))
+            if id(state.param_group) in self.heads:
+                self.heads.discard(id(state.param_group))
                 if self.issued < len(self.batches):
                     self._issue_batch(self.phase + "_prefetch")
             return
         if state.param_group.sharded_state == ShardedState.SHARDED:
             self._issue(i, self.phase)
-        if id(state) in self.heads:
-            self.heads.discard(id(state))
+        if id(state.param_group) in self.heads:
+            self.heads.discard(id(state.param_group))
             self._issue(self.cursor, self.phase + "_prefetch")
 
     def issue_rest(self) -> None:
@@ -994,13 +1009,12 @@ class GatherPlan:
             self._issue_batch(self.phase)
 
     def _issue_batch(self, phase: str) -> None:
-        """Issues the next forward batch (its units still SHARDED)."""
-        members = [k for k in self.batches[self.issued]
-                   if self.states[k].param_group.sharded_state == ShardedState.SHARDED]
+        """Issues the next batch (its units still SHARDED)."""
+        groups = [pg for pg in self.batch_groups[self.issued] if pg.sharded_state is _SHARDED]
         self.issued += 1
-        self._gather(members, phase)
-        if self.phase == "forward" and self.issued == len(self.batches) and members and torch.is_grad_enabled():
-            self._keep_for_backward([self.states[k].param_group for k in members])
+        self._gather(groups, phase)
+        if self.phase == "forward" and self.issued == len(self.batches) and groups and torch.is_grad_enabled():
+            self._keep_for_backward(groups)
 
     def _keep_for_backward(self, groups: list[FSDPParamGroup]) -> None:
         """The forward's last batch is the backward's first: it stays
@@ -1035,16 +1049,15 @@ class GatherPlan:
         """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
         members, k = self._cut(start)
         self.cursor = max(self.cursor, k)
-        self._gather(members, phase)
+        self._gather([self.states[k].param_group for k in members], phase)
 
-    def _gather(self, members: list[int], phase: str) -> None:
-        """Starts the all-gather of the units at ``members`` (plan positions) as one collective."""
-        if not members:
+    def _gather(self, groups: list[FSDPParamGroup], phase: str) -> None:
+        """Starts the all-gather of ``groups`` (SHARDED units) as one collective."""
+        if not groups:
             return
-        groups = [self.states[k].param_group for k in members]
         for pg in groups:
             pg.gathered_ahead = True
-        self.heads.add(id(self.states[members[0]]))
+        self.heads.add(id(groups[0]))
         unshard_units(groups, phase)
 
 
@@ -1157,7 +1170,7 @@ class UnitRun:
         for state in self.members[-2::-1]:
             pg = state.param_group
             if (pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
-                    and id(state) not in plan.heads):
+                    and id(pg) not in plan.heads):
                 pg.gathered_ahead = False  # _pre_backward's common case, as in _OutputHook.__call__
                 pg.training_state = _PRE_BACKWARD
             else:
@@ -1223,7 +1236,7 @@ class _OutputHook:
             return
         plan = state.root.backward_plan
         if (pg is not None and pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
-                and state.backward_prefetch is None and id(state) not in plan.heads):
+                and state.backward_prefetch is None and id(pg) not in plan.heads):
             # _pre_backward's common case (a unit its batch's gather unsharded, heading no batch, no
             # prefetch targets): what it does then, in the same order.
             pg.gathered_ahead = False

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup, TrainingState, _register
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup, TrainingState, _register, registrations
 from pydist.fsdp._fsdp_state import state_of
 from pydist.fsdp._state_dict import gather_full_flat, gather_pieces
 
@@ -94,8 +94,8 @@ def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool, with_grads: b
             if full_grads is not None and param.requires_grad:
                 param.grad = fp.full_view(full_grads)
             params.append(param)
-        _register([(info.module._parameters, info.name, param)
-                   for fp, param in zip(pg.fsdp_params, params) for info in fp.module_infos])
+        _register(registrations((info.module._parameters, info.name, param)
+                                for fp, param in zip(pg.fsdp_params, params) for info in fp.module_infos))
     pg.training_state = TrainingState.SUMMONED
     try:
         yield
