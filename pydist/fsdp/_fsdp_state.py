@@ -99,9 +99,12 @@ from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ReduceLayo
 __all__ = ["FSDPState", "state_of", "GatherPlan", "UnitRun", "DEFAULT_BATCH_BYTES"]
 
 # Unsharded bytes of parameters (and of gradients) a root gathers (reduces)
-# as one collective: a piece of the shared-memory transport at two ranks
-# holds half of it (see kShmPieceBytes in csrc/transport/shm_transport.h).
-DEFAULT_BATCH_BYTES = 1 << 20
+# as one collective: the DDP reducer's all-reduce chunk (ReducerOptions::
+# chunk_bytes in csrc/reducer/reducer.h), for the same reason: a collective
+# costs its ranks a rendezvous whatever it carries (on shared memory with
+# more ranks than cores, a scheduling turn of every rank), and a few MiB at
+# a time still overlap compute. Units larger than it go alone.
+DEFAULT_BATCH_BYTES = 4 << 20
 
 _requires_grad_of = operator.attrgetter("requires_grad")
 
