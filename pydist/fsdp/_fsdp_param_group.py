@@ -541,8 +541,9 @@ class FSDPParamGroup:
             self._wait_all_gather()  # the transport is still writing the buffer
         for params, tensors in self._sharded_regs:
             params.update(tensors)
-        if self._slot is not None:
-            self._slot.give_back(self)
+        slot = self._slot
+        if slot is not None:
+            slot.give_back(self)
         else:
             _C.point_storage_at_nothing(self.unsharded)
         self.sharded_state = _SHARDED

@@ -252,6 +252,13 @@ class FSDPState:
         self._built_checked = False  # see [Note: every rank builds the same model]
         # What the optimizer steps on, and the requires_grad each unit has taken up.
         self._units = [s.param_group for s in self.all_states if s.param_group is not None]
+        # (state, unit, whether its hooks never take the fast path: the
+        # root's, or a MixedPrecisionPolicy that casts inputs or outputs) per
+        # unit: what the root's pre-forward resets and decides the fast paths
+        # from. States without a unit are never plain.
+        self._unit_states = [(s, s.param_group, s is self or (s.mp_policy is not None and (
+            s.mp_policy.param_dtype is not None or s.mp_policy.output_dtype is not None)))
+                             for s in self.all_states if s.param_group is not None]
         self._sharded_params = [fp.sharded_param for pg in self._units for fp in pg.fsdp_params]
         self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]  # (taken up)
 
@@ -412,43 +419,37 @@ class FSDPState:
         # left unsharded, which its module held. See sync_requires_grad.
         changed = list(map(_requires_grad_of, self._sharded_params)) != self._requires_grad
         synced = False
-        for state in self.all_states:
-            pg = state.param_group
-            if pg is not None:
-                if changed or (pg.sharded and pg.sharded_state is not _SHARDED):
-                    pg.sync_requires_grad()
-                    synced = True
-                pg._timings.clear()  # this iteration's records
-                pg.had_grad = None  # a backward that failed before its final callback
-                pg.run = None  # see [Note: runs of units]
-            mp = state.mp_policy
-            state.plain = (state is not self and pg is not None and not state.forward_prefetch
-                           and (mp is None or (mp.param_dtype is None and mp.output_dtype is None)))
-            state.run_ok = state.plain and pg.sharded and state.backward_prefetch is None
+        for state, pg, never_plain in self._unit_states:
+            if changed or (pg.sharded_state is not _SHARDED and pg.sharded):
+                pg.sync_requires_grad()
+                synced = True
+            pg._timings = []  # this iteration's records
+            pg.had_grad = None  # a backward that failed before its final callback
+            pg.run = None  # see [Note: runs of units]
+            state.plain = plain = not never_plain and not state.forward_prefetch
+            state.run_ok = plain and pg.sharded and state.backward_prefetch is None
         if synced:
             self._requires_grad = list(map(_requires_grad_of, self._sharded_params))
 
     def _root_post_backward_final_callback(self) -> None:
         """See [Note: the order of an iteration]."""
         self.backward_end_ns = time.monotonic_ns()  # autograd is done; what follows is exposed
-        seen = set()
-        self.late_posters = set()
+        self.late_posters = late = set()
         for state in reversed(self.forward_order):
-            if id(state) in seen:
-                continue
-            seen.add(id(state))
             # A unit used in forward whose backward autograd never reported
             # (its inputs need no grad) still reduces, zeros where no
             # gradient came, so every rank issues the same collectives.
-            if state.param_group.training_state != TrainingState.POST_BACKWARD:
-                self.late_posters.add(id(state))
-                state.param_group.post_backward()
+            pg = state.param_group
+            if pg.training_state is not _POST_BACKWARD:
+                late.add(id(state))
+                pg.post_backward()
         # A unit this forward skipped that holds gradients of earlier
         # backwards under set_requires_gradient_sync(False) reduces them
         # now, in this synced backward, as torch's FSDP2 does.
+        ran = set(map(id, self.forward_order))
         for state in self.all_states:
             pg = state.param_group
-            if pg is not None and id(state) not in seen and pg.requires_gradient_sync and pg.has_pending_grads():
+            if pg is not None and id(state) not in ran and pg.requires_gradient_sync and pg.has_pending_grads():
                 pg.post_backward()
         batches, self.grad_batches = self.grad_batches, []
         for batch in batches:
@@ -456,9 +457,12 @@ class FSDPState:
         all_trainable = self._agree_on_grads()
         for batch in batches:
             batch.finalize(all_trainable)  # one wait per batch; its members' shards get their .grad
-        for state in self.all_states:
-            if state.param_group is not None:
-                state.param_group.finalize_backward()
+        for pg in self._units:
+            if pg._reduce is None and pg.sharded_state is _SHARDED:
+                pg.grad_batch = None  # finalize_backward's common case: reduced in a batch, resharded
+                pg.training_state = _IDLE
+            else:
+                pg.finalize_backward()
         self.pool.release()  # see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
 
