@@ -55,6 +55,11 @@ which are gathered ahead.
                      resharded at the root's post-forward.
     backward         the plan is this iteration's forward order reversed,
                      cut the same way ("backward", then "backward_prefetch").
+                     When the forward ran as planned and no unit ran inside
+                     another, the cut is the forward's batches, last first
+                     (GatherPlan.backward_of), so a run of units ([Note:
+                     runs of units]) is one gather both ways and no batch
+                     is cut again per iteration.
                      The forward's last batch is the backward's first, so
                      it is not resharded after its forward but kept for it
                      (its memory held, the shards on the modules meanwhile),
@@ -1096,7 +1101,9 @@ def _cast_floating(tree, dtype: torch.dtype):
 # input does not carry its backward (it uses the input through .detach() or
 # only its shape) would otherwise be reduced when the input's other uses are
 # done, before its own backward; it is left to the final callback instead,
-# as the Function (never reached) leaves it.
+# as the Function (never reached) leaves it. Every output hook sits behind
+# a _C.OutputGate; inside a run of units the gate is closed and the run's
+# first and last hooks do its units' work ([Note: runs of units]).
 
 
 # [Note: runs of units]

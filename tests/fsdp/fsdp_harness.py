@@ -299,11 +299,14 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str, torch_group=None)
     return RunResult(losses, norms, _full_params(impl, sc, model), transport)
 
 
-def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist"), torch_group=None) -> list:
+def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist"), torch_group=None,
+                  models=None) -> list:
     """Rank entry point: ``[{impl: RunResult}]`` per scenario (pydist.spawn
     pickles it by value: no tensor shares memory with the rank). torch's
     wrapper runs on ``torch_group`` (tests/mpi: gloo beside pydist's mpi4py
-    default group)."""
+    default group). ``models`` adds a test module's own models to MODELS by
+    name (picklable: classes, functools.partial)."""
+    MODELS.update(models or {})
     out = []
     for sc in scenarios:
         per_impl = {}
@@ -314,11 +317,11 @@ def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist
     return out
 
 
-def run_parity(scenarios, world_size: int, timeout: float = 100.0, impls=("torch", "pydist")):
+def run_parity(scenarios, world_size: int, timeout: float = 100.0, impls=("torch", "pydist"), models=None):
     """Spawns the ranks; returns ``results[rank][scenario_index][impl]``."""
     from pydist.spawn import run_ranks
 
-    return run_ranks(run_scenarios, world_size, args=(list(scenarios), tuple(impls)), timeout=timeout)
+    return run_ranks(run_scenarios, world_size, args=(list(scenarios), tuple(impls), None, models), timeout=timeout)
 
 
 # --------------------------------------------------------------------------

@@ -168,17 +168,9 @@ class DetachChain(nn.Module):
         return [self.first, self.detached, self.last]
 
 
-def _parity_rank(rank, world_size, scenarios):
-    import fsdp_harness
-
-    fsdp_harness.MODELS["mixed_batch"] = MixedBatch
-    fsdp_harness.MODELS["detach_chain"] = DetachChain
-    return fsdp_harness.run_scenarios(rank, world_size, scenarios)
-
-
 @pytest.mark.timeout(150)
 def test_mixed_batches_bitwise_with_torch_fully_shard():
-    from fsdp_harness import Scenario, assert_parity
+    from fsdp_harness import Scenario, assert_parity, run_parity
 
     scenarios = [
         Scenario(model="mixed_batch", optimizer="adam", shm=True),
@@ -189,7 +181,7 @@ def test_mixed_batches_bitwise_with_torch_fully_shard():
         Scenario(model="detach_chain", optimizer="adam", shm=True),
         Scenario(model="detach_chain", optimizer="sgd", reshard_after_forward=False, shm=False),
     ]
-    results = run_ranks(_parity_rank, 2, args=(scenarios,), timeout=140)
+    results = run_parity(scenarios, 2, timeout=140, models={"mixed_batch": MixedBatch, "detach_chain": DetachChain})
     assert_parity(results, exact=True, scenarios=scenarios)
 
 

@@ -8,6 +8,8 @@ output unused while an inner one is, a member with a unit nested inside it;
 and, on a plain chain, that the runs form as described and the backward
 calls Python hooks only where runs end."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn as nn
@@ -57,21 +59,9 @@ class Chain(nn.Module):
         return [m for b in self.blocks for m in ([b.inner] if b.inner is not None else []) + [b]]
 
 
-def _parity_rank(rank, world_size, scenarios):
-    import fsdp_harness
-
-    fsdp_harness.MODELS.update({
-        "chain": Chain,
-        "chain_skip": lambda: Chain(skip=True),
-        "chain_dead_end": lambda: Chain(dead_end=True),
-        "chain_nested": lambda: Chain(nested=True),
-    })
-    return fsdp_harness.run_scenarios(rank, world_size, scenarios)
-
-
 @pytest.mark.timeout(150)
 def test_runs_bitwise_with_torch_fully_shard():
-    from fsdp_harness import Scenario, assert_parity
+    from fsdp_harness import Scenario, assert_parity, run_parity
 
     scenarios = [
         Scenario(model="chain", optimizer="adam", shm=True),
@@ -82,7 +72,9 @@ def test_runs_bitwise_with_torch_fully_shard():
         Scenario(model="chain_dead_end", optimizer="sgd", shm=True),
         Scenario(model="chain_nested", optimizer="adam", shm=False),
     ]
-    results = run_ranks(_parity_rank, 2, args=(scenarios,), timeout=140)
+    models = {"chain": Chain, "chain_skip": partial(Chain, skip=True), "chain_dead_end": partial(Chain, dead_end=True),
+              "chain_nested": partial(Chain, nested=True)}
+    results = run_parity(scenarios, 2, timeout=140, models=models)
     assert_parity(results, exact=True, scenarios=scenarios)
 
 
