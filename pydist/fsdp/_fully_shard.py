@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules import module as _module_hooks
 
 from pydist.fsdp._fsdp_param import ParamModuleInfo
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup
@@ -88,12 +90,40 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     cls = module.__class__
     if not isinstance(module, FSDPModule):
         if cls not in _FSDP_CLASSES:
-            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            # See [Note: a unit's call]; a class with its own _call_impl keeps it.
+            own_call = cls._call_impl is not nn.Module._call_impl
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                                      {} if own_call else {"_call_impl": _unit_call_impl})
         module.__class__ = _FSDP_CLASSES[cls]
     return module
 
 
 _FSDP_CLASSES: dict[type, type] = {}
+
+# [Note: a unit's call]
+# torch's Module._call_impl runs a module's hooks through a general dispatch
+# (a closure, the global hook tables, each hook's kind tested per call):
+# about as many interpreted steps per unit as the unit's own pre-forward, in
+# a model of many small units a good part of the forward. A unit whose only
+# forward hooks are the two its FSDPState registered, with no backward hooks
+# and no global module hooks, outside JIT tracing and Dynamo, is called here:
+# those two hooks around forward, in the order, with the arguments and the
+# return handling of torch's dispatch. Anything else takes torch's dispatch,
+# hooks and all.
+
+
+def _unit_call_impl(self, *args, **kwargs):
+    if (len(self._forward_pre_hooks) == 1 and len(self._forward_hooks) == 1
+            and not (self._backward_hooks or self._backward_pre_hooks or _module_hooks._global_backward_pre_hooks
+                     or _module_hooks._global_backward_hooks or _module_hooks._global_forward_hooks
+                     or _module_hooks._global_forward_pre_hooks)
+            and not torch._C._get_tracing_state() and not torch.compiler.is_compiling()):
+        state = self.__dict__["_pydist_fsdp_state"]
+        new = state._pre_forward(self, args, kwargs)
+        if new is not None:
+            args, kwargs = new
+        return state._post_forward(self, args, self.forward(*args, **kwargs))
+    return nn.Module._call_impl(self, *args, **kwargs)
 
 
 def _refuse(condition, what: str) -> None:
