@@ -104,12 +104,16 @@ from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ReduceLayo
 __all__ = ["FSDPState", "state_of", "GatherPlan", "UnitRun", "DEFAULT_BATCH_BYTES"]
 
 # Unsharded bytes of parameters (and of gradients) a root gathers (reduces)
-# as one collective: the DDP reducer's all-reduce chunk (ReducerOptions::
-# chunk_bytes in csrc/reducer/reducer.h), for the same reason: a collective
+# as one collective. Larger batches mean fewer collectives, and a collective
 # costs its ranks a rendezvous whatever it carries (on shared memory with
-# more ranks than cores, a scheduling turn of every rank), and a few MiB at
-# a time still overlap compute. Units larger than it go alone.
-DEFAULT_BATCH_BYTES = 4 << 20
+# more ranks than cores, a scheduling turn of every rank); but a backward
+# holds about four batches' worth of unsharded memory at once (two pool
+# slots, two reduce inputs: see [Note: the unsharded buffer's memory] and
+# GradBatch), on top of what DDP would hold. Half the DDP reducer's 4 MiB
+# all-reduce chunk keeps both costs small: a few collectives a step for
+# models of many small units, and a peak below DDP's. Units larger than it
+# go alone.
+DEFAULT_BATCH_BYTES = 2 << 20
 
 _requires_grad_of = operator.attrgetter("requires_grad")
 
