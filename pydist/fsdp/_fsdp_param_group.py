@@ -495,7 +495,6 @@ class FSDPParamGroup:
         mates = getattr(future, "members", None)
         if mates is not None:
             future.members = None
-            issued, phase = self._unshard_issue  # the batch's, every member's
             record = ("all_gather", phase, issued, time.monotonic_ns(), completed)
             for pg in mates:
                 if pg._unshard_future is future:
@@ -676,8 +675,7 @@ class FSDPParamGroup:
         pack = self._grad_pack
         if pack is None or batch is None or batch.launched or not self.requires_gradient_sync or self._accumulating:
             return None
-        pack.aim(batch.input if batch.input is not None else batch._input_for(self), batch.world_size,
-                 batch.columns[id(self)], batch.copy_scale)
+        pack.aim(batch._input_for(self), batch.world_size, batch.columns[id(self)], batch.copy_scale)
         return pack
 
     def finish_packed(self) -> bool:
@@ -694,10 +692,7 @@ class FSDPParamGroup:
         batch, self.grad_batch = self.grad_batch, None
         self.had_grad = pack.take_had()
         batch._arrive(self)
-        if self.reshard_after_backward:
-            self.reshard()
-        else:
-            self._leave_pool()
+        self._reshard_after_backward()
         return True
 
     def _reshard_after_backward(self) -> None:

@@ -790,16 +790,23 @@ class FSDPState:
         Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
         self._plan_backward()
 
-    def _pre_backward(self, grad=None):
+    def _pre_backward(self) -> None:
         root = self.root
         if not root.final_callback_queued:
             root._begin_backward()
         pg = self.param_group
         if pg is None or pg.training_state is _PRE_BACKWARD:
-            return grad
+            return
+        plan = root.backward_plan
+        if (pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
+                and self.backward_prefetch is None and id(pg) not in plan.heads):
+            # The common case (a unit its batch's gather unsharded, heading no
+            # batch, no prefetch targets): what the rest does then, without its calls.
+            pg.gathered_ahead = False
+            pg.training_state = _PRE_BACKWARD
+            return
         if pg.training_state is _POST_BACKWARD:
             pg.pre_backward()  # raises: backward reached the unit again after its gradients were reduced
-        plan = root.backward_plan
         if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
             plan.need(self)  # (nothing to do for a unit gathered with its batch that does not head one)
         pg.gathered_ahead = False
@@ -808,7 +815,6 @@ class FSDPState:
                 tpg = target.param_group
                 if tpg is not None and tpg.training_state != TrainingState.POST_BACKWARD:
                     tpg.unshard("backward_prefetch")
-        return grad
 
     def _plan_backward(self) -> None:
         """Root, at the first backward hook: the backward gather plan and the
@@ -893,23 +899,7 @@ class GatherPlan:
     gathered in batches one batch ahead. See [Note: gather and reduce plans]."""
 
     def __init__(self, order: list[FSDPState], batch_bytes: int, phase: str, last: GatherPlan | None = None):
-        self.order = order
-        self.batch_bytes = batch_bytes
-        self.phase = phase  # "forward" or "backward": records name the collectives by it
-        self.cursor = 0  # every unit before it has been considered for a batch
-        self.heads: set[int] = set()  # ids of the first units (param groups) of batches issued ahead: starting one issues the next
-        self.kept: list[FSDPParamGroup] = []  # forward: the last batch, left unsharded for backward
-        # Forward only: the batches, cut now from the units' states at the
-        # root's pre-forward (the same on every rank), issued in this order
-        # whichever units run; each unit's batch; how many are issued. See
-        # [Note: ranks that run different units].
-        self.batches: list[list[int]] | None = None
-        self.batch_of: dict[int, int] = {}
-        self.batch_of_state: dict[int, int] = {}  # forward: batch_of by id(state)
-        self.batch_groups: list[list[FSDPParamGroup]] = []  # each batch's units (param groups)
-        self.issued = 0
-        self.made_from: list | None = None  # backward_of's: the forward batches it was made from
-        self.flat = False  # forward: no unit of the plan lies inside another (the root aside)
+        self._fields(order, batch_bytes, phase)
         if (last is not None and last.reusable and last.phase == phase and last.batch_bytes == batch_bytes
                 and last.order == order):
             # The units of last iteration's plan in the same order: its
@@ -948,6 +938,27 @@ class GatherPlan:
                     self.batches.append(members)
                     self.batch_groups.append([self.states[k].param_group for k in members])
 
+    def _fields(self, order: list[FSDPState], batch_bytes: int, phase: str) -> None:
+        """Every plan's state before its layout (states, position, batches) is made."""
+        self.order = order
+        self.batch_bytes = batch_bytes
+        self.phase = phase  # "forward" or "backward": records name the collectives by it
+        self.cursor = 0  # every unit before it has been considered for a batch
+        self.heads: set[int] = set()  # ids of the first units (param groups) of batches issued ahead: starting one issues the next
+        self.kept: list[FSDPParamGroup] = []  # forward: the last batch, left unsharded for backward
+        # Forward only: the batches, cut now from the units' states at the
+        # root's pre-forward (the same on every rank), issued in this order
+        # whichever units run; each unit's batch; how many are issued. See
+        # [Note: ranks that run different units].
+        self.batches: list[list[int]] | None = None
+        self.batch_of: dict[int, int] = {}
+        self.batch_of_state: dict[int, int] = {}  # forward: batch_of by id(state)
+        self.batch_groups: list[list[FSDPParamGroup]] = []  # each batch's units (param groups)
+        self.issued = 0
+        self.made_from: list | None = None  # backward_of's: the forward batches it was made from
+        self.flat = False  # forward: no unit of the plan lies inside another (the root aside)
+        self.reusable = False
+
     @classmethod
     def backward_of(cls, forward: GatherPlan, last: GatherPlan | None) -> GatherPlan:
         """The backward plan of a forward that ran the units ``forward``
@@ -955,11 +966,7 @@ class GatherPlan:
         last unit; the layout of ``last`` where it was made from the same
         forward batches (which a reused forward layout shares)."""
         plan = cls.__new__(cls)
-        plan.order = forward.order[::-1]
-        plan.batch_bytes = forward.batch_bytes
-        plan.phase = "backward"
-        plan.cursor, plan.heads, plan.kept, plan.issued = 0, set(), [], 0
-        plan.reusable = False  # (GatherPlan's own reuse is for plans cut here)
+        plan._fields(forward.order[::-1], forward.batch_bytes, "backward")  # not reusable: __init__'s reuse is for its own cuts
         plan.made_from = forward.batches
         if last is not None and last.made_from is forward.batches:
             plan.states, plan.position, plan.batches, plan.batch_of = (last.states, last.position, last.batches,
@@ -1179,17 +1186,20 @@ class UnitRun:
             self.members.pop()
         state.param_group.run = None
 
-    def start(self, last: FSDPState, closes: list) -> None:
+    def start(self, closes: list) -> None:
         """The run's last unit's hook: every unit's pre-backward, the last
-        unit's first; then the other units' hooks are closed."""
+        unit's first (it heads the batch's gather); then the other units'
+        hooks are closed."""
         self.started = True
-        last._pre_backward()
-        plan = last.root.backward_plan
-        for state in self.members[-2::-1]:
+        members = self.members
+        members[-1]._pre_backward()
+        plan = members[-1].root.backward_plan
+        for state in members[-2::-1]:
             pg = state.param_group
-            if (pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
-                    and id(pg) not in plan.heads):
-                pg.gathered_ahead = False  # _pre_backward's common case, as in _OutputHook.__call__
+            # _pre_backward's common case inline (a run's units have no
+            # prefetch targets): one Python call fewer per unit of the run.
+            if pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and id(pg) not in plan.heads:
+                pg.gathered_ahead = False
                 pg.training_state = _PRE_BACKWARD
             else:
                 state._pre_backward()
@@ -1250,17 +1260,9 @@ class _OutputHook:
         pg = state.param_group
         if pg is not None and pg.run is not None and self.closes is not None:
             closes, self.closes = self.closes, None
-            pg.run.start(state, closes)
+            pg.run.start(closes)
             return
-        plan = state.root.backward_plan
-        if (pg is not None and pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
-                and state.backward_prefetch is None and id(pg) not in plan.heads):
-            # _pre_backward's common case (a unit its batch's gather unsharded, heading no batch, no
-            # prefetch targets): what it does then, in the same order.
-            pg.gathered_ahead = False
-            pg.training_state = _PRE_BACKWARD
-        else:
-            state._pre_backward()
+        state._pre_backward()
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
