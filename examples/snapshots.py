@@ -16,6 +16,9 @@ A snapshot is a dict saved with ``torch.save``:
                      taken at epoch ends), its seed and number of replicas
     JOB              what the job was: model config, world size, seed, batch
                      size, samples; checked when resuming
+    DIGEST           sha256 of everything above (``content_digest``), written by
+                     ``save_atomic`` and verified by ``load_bytes``: see
+                     [Note: the snapshot's digest]
 
 ``MODEL_STATE`` and ``EPOCHS_RUN`` are the keys of the torchrun tutorial's
 snapshots, so code written against those keeps working. Everything in it is
@@ -30,20 +33,38 @@ and fsyncs the directory so the rename itself is durable. At every instant
 ``PATH`` holds either the previous complete snapshot or the new one, never a
 torn file. A leftover ``PATH.partial`` is garbage from an interrupted write;
 the next save overwrites it.
+
+[Note: the snapshot's digest]
+``torch.load`` checks nothing inside a tensor record: bytes damaged after
+the write (a bad disk, a truncated or garbled copy) load as other numbers,
+and a resumed job trains on them without a word. So ``save_atomic`` adds
+``DIGEST``, a sha256 over the snapshot's contents (every tensor's dtype,
+shape and bytes, every other value's type and repr, dicts in their order,
+which pickling keeps), and ``load_bytes`` recomputes it and refuses a
+snapshot whose contents do not match, naming the file. The digest covers
+the decoded contents rather than the file's bytes, so the file stays a
+plain ``torch.save`` dict that ``torch.load`` reads as before. A snapshot
+written before digests (no ``DIGEST`` key) resumes with a warning. An
+existing file of 0 bytes is refused as well, never taken for "no snapshot":
+the job would train from epoch 0 and overwrite it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["SnapshotMismatch", "save_atomic", "partial_path", "load_bytes", "check_fits",
+__all__ = ["SnapshotMismatch", "save_atomic", "partial_path", "load_bytes", "check_fits", "content_digest",
            "capture_rng_state", "restore_rng_state"]
+
+DIGEST_KEY = "DIGEST"
 
 
 class SnapshotMismatch(RuntimeError):
@@ -60,6 +81,7 @@ def save_atomic(snapshot: dict, path: Path, before_commit: Callable[[], None] | 
     (train.py's test-only fault injector kills the process there)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    snapshot = {**snapshot, DIGEST_KEY: content_digest(snapshot)}  # see [Note: the snapshot's digest]
     tmp = partial_path(path)
     with open(tmp, "wb") as f:
         torch.save(snapshot, f)
@@ -75,9 +97,44 @@ def save_atomic(snapshot: dict, path: Path, before_commit: Callable[[], None] | 
         os.close(directory)
 
 
+def content_digest(snapshot: dict) -> str:
+    """The sha256 (hex) of ``snapshot``'s contents, its ``DIGEST`` entry
+    aside. See [Note: the snapshot's digest]."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in snapshot.items() if k != DIGEST_KEY})
+    return h.hexdigest()
+
+
+def _feed(h, value) -> None:
+    """Adds ``value`` to the hash ``h``: a tensor's dtype, shape and bytes;
+    containers tagged with their kind and length, then their items; any other
+    value's type and repr (numbers, strings, None: what weights_only loads)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        h.update(f"dict {len(value)};".encode())
+        for key, item in value.items():
+            _feed(h, key)
+            _feed(h, item)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__} {len(value)};".encode())
+        for item in value:
+            _feed(h, item)
+    else:
+        h.update(f"{type(value).__name__} {value!r};".encode())
+
+
 def load_bytes(data: bytes, path: Path, device: torch.device) -> dict:
-    """Decode a snapshot's bytes with ``weights_only=True``; ``path`` is for
-    error messages only (rank 0 read the file, the others got the bytes)."""
+    """Decode a snapshot's bytes (those of an existing file) with
+    ``weights_only=True`` and verify its digest; ``path`` is for error
+    messages only (rank 0 read the file, the others got the bytes)."""
+    if not data:  # see [Note: the snapshot's digest]
+        raise SnapshotMismatch(
+            f"snapshot {path} exists but is empty (0 bytes): a write that never finished (a full disk, an "
+            f"interrupted copy), not a snapshot. Restore it from a good copy, or remove it to start afresh; "
+            f"this job neither trains from scratch nor overwrites it")
     try:
         snapshot = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with what to do
@@ -89,6 +146,16 @@ def load_bytes(data: bytes, path: Path, device: torch.device) -> dict:
     missing = [k for k in required if k not in snapshot] if isinstance(snapshot, dict) else list(required)
     if missing:
         raise SnapshotMismatch(f"snapshot {path} lacks the keys {missing}: it was not written by examples/train.py")
+    saved = snapshot.get(DIGEST_KEY)
+    if saved is None:
+        warnings.warn(f"snapshot {path} has no {DIGEST_KEY} (written before snapshots carried one): "
+                      f"its contents cannot be verified", stacklevel=2)
+    elif (actual := content_digest(snapshot)) != saved:
+        raise SnapshotMismatch(
+            f"snapshot {path} is damaged: its contents do not match the digest written with it (sha256 "
+            f"{str(saved)[:16]}..., the contents hash to {actual[:16]}...). It changed after it was written (a bad "
+            f"disk, a garbled copy); resuming would train on wrong values. Restore it from a good copy, or move it "
+            f"away to start afresh")
     return snapshot
 
 

@@ -22,8 +22,9 @@ them in ``os.environ``). In order, ``main()``:
   3. builds the model and optimizer from ``--seed``, the same on every rank;
   4. snapshot: if ``--snapshot`` exists, rank 0 reads the file and
      broadcasts its bytes; every rank decodes them with
-     ``torch.load(weights_only=True)`` and checks that they fit this job
-     (snapshots.py);
+     ``torch.load(weights_only=True)``, verifies their digest and checks
+     that they fit this job (snapshots.py; an empty or damaged file is
+     refused, never trained over);
   5. ``Trainer.train``: wraps the model in pydist's (or torch's) DDP, or
      with ``--fsdp`` shards it with ``pydist.fully_shard`` (each block a unit,
      then the root; see ``shard_model``), runs
@@ -220,14 +221,17 @@ def share_dataset(args: argparse.Namespace, job: Job) -> TensorDataset:
 
 
 def read_snapshot(path: Path, job: Job) -> dict | None:
-    """Rank 0 reads the file (if any) and broadcasts its bytes; every rank
-    decodes them with weights_only=True. None when there is no snapshot."""
-    raw = None
+    """Rank 0 reads the file (if any) and broadcasts whether it exists and
+    its bytes; every rank decodes them with weights_only=True and verifies
+    them (an existing empty file is refused). None when there is no file."""
+    shared = None
     if job.rank == 0:
-        data = path.read_bytes() if path.exists() else b""
-        raw = [torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)]
-    [raw] = share_tensors(raw, job)
-    return load_bytes(raw.numpy().tobytes(), path, job.device) if raw.numel() else None
+        exists = path.exists()
+        data = path.read_bytes() if exists else b""
+        shared = [torch.tensor([int(exists)], dtype=torch.uint8),
+                  torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)]
+    exists, raw = share_tensors(shared, job)
+    return load_bytes(raw.numpy().tobytes(), path, job.device) if exists.item() else None
 
 
 def all_gather_objects(obj, job: Job) -> list:

@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 from datautils import ModelConfig, build_model  # noqa: E402
-from snapshots import SnapshotMismatch, check_fits, load_bytes  # noqa: E402
+from snapshots import SnapshotMismatch, check_fits, content_digest, load_bytes, save_atomic  # noqa: E402
 
 TINY = ["--samples", "256", "--batch-size", "16", "--width", "32", "--depth", "2", "--timeout", "60"]
 TINY_CONFIG = ModelConfig("mlp", 32, 2)
@@ -165,6 +166,77 @@ def test_snapshot_killed_mid_write_leaves_the_previous_one(reference, tmp_path):
     assert snapshot["EPOCHS_RUN"] == 2
     check_fits(snapshot, path, snapshot["JOB"], build_model(TINY_CONFIG))
     build_model(TINY_CONFIG).load_state_dict(snapshot["MODEL_STATE"])
+
+
+def flip_tensor_bytes(path: Path, count: int = 64) -> str:
+    """Inverts ``count`` bytes in the middle of the largest tensor record of
+    the snapshot's zip (headers, central directory and pickle left intact,
+    so ``torch.load`` still reads it); returns the record's name."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    header = info.header_offset
+    name_length = int.from_bytes(data[header + 26:header + 28], "little")
+    extra_length = int.from_bytes(data[header + 28:header + 30], "little")
+    start = header + 30 + name_length + extra_length + info.file_size // 2 - count // 2
+    for i in range(start, start + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return info.filename
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_an_empty_snapshot_file_is_refused_not_restarted(tmp_path):
+    """An existing 0-byte snapshot (a full disk, an interrupted copy) is no
+    snapshot to resume, but not "no snapshot" either: both ranks refuse it,
+    naming it, and it is left as it was (not trained over from epoch 0)."""
+    path = tmp_path / "snapshot.pt"
+    path.write_bytes(b"")
+    done = torchrun(["--epochs", 1, "--snapshot", path])
+    assert done.returncode != 0, done.stdout
+    assert f"snapshot {path} exists but is empty (0 bytes)" in done.stderr, done.stderr
+    assert "epoch 1/1" not in done.stdout and path.read_bytes() == b""
+
+
+def test_snapshot_digest_covers_every_value(tmp_path):
+    """save_atomic writes a digest of the contents; load_bytes verifies it
+    and names the file when one value changed (a tensor element, a number,
+    a shape), and takes a snapshot written before digests with a warning."""
+    path = tmp_path / "snapshot.pt"
+    snapshot = {"MODEL_STATE": {"w": torch.arange(6.0).view(2, 3)}, "EPOCHS_RUN": 2, "JOB": {"seed": 0},
+                "RNG_STATES": [{"python": (3, (1, 2), None)}]}
+    save_atomic(snapshot, path)
+    loaded = load_bytes(path.read_bytes(), path, torch.device("cpu"))
+    assert loaded["DIGEST"] == content_digest(snapshot) and torch.equal(loaded["MODEL_STATE"]["w"],
+                                                                        snapshot["MODEL_STATE"]["w"])
+    for change in (lambda s: s["MODEL_STATE"]["w"].view(-1)[4].add_(2.0 ** -20),
+                   lambda s: s.update(EPOCHS_RUN=3),
+                   lambda s: s["MODEL_STATE"].update(w=s["MODEL_STATE"]["w"].view(3, 2))):
+        changed = torch.load(path, weights_only=True)
+        change(changed)
+        torch.save(changed, path.with_suffix(".changed"))
+        with pytest.raises(SnapshotMismatch, match=rf"snapshot {path} is damaged: its contents do not match"):
+            load_bytes(path.with_suffix(".changed").read_bytes(), path, torch.device("cpu"))
+    torch.save(snapshot, path)  # as train.py wrote them before digests
+    with pytest.warns(UserWarning, match="has no DIGEST"):
+        load_bytes(path.read_bytes(), path, torch.device("cpu"))
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_a_damaged_snapshot_is_refused_naming_it(reference, tmp_path):
+    """64 bytes inverted inside a tensor record: torch.load reads the file
+    without a word (another number in a weight), the job refuses it on its
+    digest and leaves it as it was."""
+    path = tmp_path / "snapshot.pt"
+    shutil.copy(reference[0], path)
+    flip_tensor_bytes(path)
+    damaged = path.read_bytes()
+    torch.load(path, weights_only=True)  # what torch checks: nothing inside a record
+    done = torchrun(["--epochs", 5, "--snapshot", path])
+    assert done.returncode != 0, done.stdout
+    assert f"snapshot {path} is damaged: its contents do not match the digest written with it" in done.stderr, (
+        done.stderr)
+    assert "resuming from snapshot" not in done.stdout and path.read_bytes() == damaged
 
 
 def test_snapshot_of_another_world_size_is_refused(reference):
