@@ -351,8 +351,9 @@ def _to_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:
         value = value.full_tensor()
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
-    if value.numel() != fp.numel:
-        raise ValueError(f"{where}: a tensor of shape {tuple(value.shape)}, the parameter is {tuple(fp.shape)}")
+    if value.shape != fp.shape:  # the same number of elements is not enough: see [Note: shape-checked loads]
+        raise ValueError(f"{where}: size mismatch: copying a tensor of shape {tuple(value.shape)}, the parameter "
+                         f"is {tuple(fp.shape)}")
     start, end = _rank_range(fp, fp.param_group.rank)
     return value.reshape(-1).narrow(0, start, end - start)
 
@@ -426,7 +427,37 @@ class _UnitStateDictHooks:
             pg.reshard()  # the shards are what loads; a later unshard gathers the new values
         for fp, key in self._entries(pg, prefix):
             if key in state_dict:
+                mismatch = _full_shape_mismatch(fp, state_dict[key], key)
+                if mismatch is not None:  # see [Note: shape-checked loads]
+                    error_msgs.append(mismatch)
+                    state_dict[key] = fp.sharded_param.detach()  # load_state_dict copies the shard onto itself
+                    continue
                 state_dict[key] = _to_local_piece(fp, state_dict[key], key)
+
+
+# [Note: shape-checked loads]
+# A sharded parameter loads from its flattened elements, so a full tensor
+# with the parameter's number of elements but another shape (a (7, 13)
+# tensor for a (13, 7) weight) would load, its values scrambled. torch's
+# load_state_dict refuses it ("size mismatch for KEY: copying a param with
+# shape ... from checkpoint, the shape in current model is ...", raised once
+# every module has loaded, as a RuntimeError "Error(s) in loading
+# state_dict"); so does the pre-hook here, with torch's words, for full
+# tensors and DTensors (their shape is the global one). Every other load
+# goes through _to_local_piece, which refuses any shape but the parameter's
+# (ShardedTensors by their metadata's), and the optimizer's state dict
+# refuses a state tensor with the parameter's number of elements but
+# another shape (optimizer_state_dict_to_load), which torch's optimizer
+# would take without a check.
+def _full_shape_mismatch(fp: FSDPParam, value: Any, key: str) -> str | None:
+    """torch's "size mismatch" entry for a full tensor or DTensor ``value``
+    whose shape is not ``fp``'s; None otherwise."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor) or value.shape == fp.shape:
+        return None
+    return (f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+            f"the shape in current model is {torch.Size(fp.shape)}.")
 
 
 def register_state_dict_hooks(module: nn.Module) -> None:
@@ -666,6 +697,11 @@ def optimizer_state_dict_to_load(module: nn.Module, optimizer: torch.optim.Optim
         per_param = {}
         for name, value in saved.items():
             fp = e.fsdp_param
+            if (fp is not None and isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor)
+                    and value.dim() >= 1 and value.numel() == fp.numel and value.shape != fp.shape):
+                raise ValueError(  # see [Note: shape-checked loads]
+                    f"pydist optimizer state dict: size mismatch for {e.key!r} state {name!r}: a tensor of shape "
+                    f"{tuple(value.shape)}, the parameter is {tuple(fp.shape)} (rank {fp.param_group.rank})")
             if fp is not None and (isinstance(value, (ShardedTensor, DTensor)) or
                                    (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == fp.shape)):
                 value = _to_local_piece(fp, value, f"{e.key} optimizer state {name!r}")
