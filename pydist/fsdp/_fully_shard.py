@@ -70,7 +70,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         # the unit (a weight tied across units) is refused.
         p._pydist_fsdp_taken_by = f"{type(module).__name__} (as {fqn})"
     param_group = None
-    if named:
+    if any(p.numel() for _, p, _ in named):  # see [Note: a unit of zero-size parameters]
         param_group = FSDPParamGroup(
             named, dist.get_rank(group), dist.get_world_size(group), sharded=_sharded,
             reshard_after_forward=reshard_after_forward, label=type(module).__name__,
@@ -99,6 +99,16 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
 
 
 _FSDP_CLASSES: dict[type, type] = {}
+
+# [Note: a unit of zero-size parameters]
+# A module whose parameters all have no elements (``nn.Linear(16, 0)``, a
+# layer pruned to nothing) has nothing to shard, gather or reduce: its
+# gradients are empty on every rank. fully_shard makes it a unit without a
+# parameter group, as a module with no parameters: its parameters stay the
+# plain (empty) tensors they are, which autograd and the optimizer handle
+# as torch does, and no enclosing unit takes them (they are marked taken).
+# A unit that also holds parameters with elements lays its zero-size ones
+# out with the rest, as zero-length ranges.
 
 # [Note: a unit's call]
 # torch's Module._call_impl runs a module's hooks through a general dispatch

@@ -405,7 +405,10 @@ class _UnitStateDictHooks:
         group = state_of(module).group
         for fp, key in self._entries(pg, prefix):
             if key in state_dict:
-                state_dict[key] = _as_sharded_tensor(fp, fp.sharded_param, group)
+                # A zero-size parameter has no piece anywhere: given whole, as an empty tensor of its shape
+                # (see [Note: a unit of zero-size parameters] in _fully_shard.py).
+                state_dict[key] = (_as_sharded_tensor(fp, fp.sharded_param, group) if fp.numel
+                                   else fp.sharded_param.detach().new_empty(fp.shape))
         return None
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -652,9 +655,10 @@ def gather_pieces(pg, pieces: list, dtype: torch.dtype) -> torch.Tensor:
 
 def _is_sharded_state(entry: _OptimizerEntry, value: Any) -> bool:
     """Whether ``value`` is state of a sharded parameter shaped like its local
-    piece (an element-wise optimizer's: SGD's momentum, Adam's moments)."""
-    return (entry.fsdp_param is not None and isinstance(value, torch.Tensor) and value.dim() >= 1
-            and value.shape == entry.param.shape)
+    piece (an element-wise optimizer's: SGD's momentum, Adam's moments);
+    a zero-size parameter's stays as it is."""
+    return (entry.fsdp_param is not None and entry.fsdp_param.numel > 0 and isinstance(value, torch.Tensor)
+            and value.dim() >= 1 and value.shape == entry.param.shape)
 
 
 def _detached(value: Any) -> Any:
@@ -697,8 +701,9 @@ def optimizer_state_dict_to_load(module: nn.Module, optimizer: torch.optim.Optim
         per_param = {}
         for name, value in saved.items():
             fp = e.fsdp_param
-            if (fp is not None and isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor)
-                    and value.dim() >= 1 and value.numel() == fp.numel and value.shape != fp.shape):
+            if (fp is not None and fp.numel > 0 and isinstance(value, torch.Tensor)
+                    and not isinstance(value, ShardedTensor) and value.dim() >= 1 and value.numel() == fp.numel
+                    and value.shape != fp.shape):
                 raise ValueError(  # see [Note: shape-checked loads]
                     f"pydist optimizer state dict: size mismatch for {e.key!r} state {name!r}: a tensor of shape "
                     f"{tuple(value.shape)}, the parameter is {tuple(fp.shape)} (rank {fp.param_group.rank})")
