@@ -340,7 +340,7 @@ class FSDPParamGroup:
                 from pydist import ops
 
                 ops.flatten([p.detach() for p in params], out=full.narrow(0, 0, self.total_numel))
-            self.built_digests = _digests(full, [p.numel() for p in params])
+            self.built_digests = _digests(full, [p.shape for p in params])
             return full.narrow(0, self.shard_start, self.shard_numel).clone()
 
     # [Note: a unit built on the meta device]
@@ -885,22 +885,58 @@ def _hand_out_grads(output: torch.Tensor, unit: FSDPParamGroup, params: list, of
 
 # The integer type of each float's width: digests sum bit patterns.
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Digests weigh the j-th element of each chunk of _DIGEST_CHUNK elements by
+# j * _MIX + 1 (in int32 for elements up to 4 bytes, int64 for 8): 2**32
+# (2**64) over the golden ratio, odd, so distinct places get distinct weights.
+_MIX32 = 0x9E3779B9 - 2**32
+_MIX64 = 0x9E3779B97F4A7C15 - 2**64
+_DIGEST_CHUNK = 1 << 20
 
 
-def _digests(flat: torch.Tensor, numels: Sequence[int]) -> torch.Tensor | None:
-    """Per parameter laid out in ``flat`` (``numels[i]`` elements each, in
-    order), the sum of its elements' bit patterns as int64: equal on two
-    ranks exactly when they built the same values (barring a collision),
-    whatever the threads or the order of the sum; None for complex dtypes.
-    See [Note: every rank builds the same model] in _fsdp_state.py."""
+def _digests(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> torch.Tensor | None:
+    """Per parameter laid out in ``flat`` (of ``shapes[i]``, in order), an
+    int64 digest of its values, their order and its shape; None for complex
+    dtypes. Each chunk of ``_DIGEST_CHUNK`` elements gives the sum of its
+    bit patterns times their places' weights (products wrapping in int32 or
+    int64, summed in int64); the digest folds the shape's code and the
+    chunks' sums together, modulo 2**64. Integer arithmetic wraps, so the
+    threads' order of summation changes nothing: equal on two ranks exactly
+    when they built the same values in the same places of the same shape
+    (barring a collision); a weight transposed on one rank differs. Costs a
+    few passes over the values, once, where the unit is laid out. See
+    [Note: every rank builds the same model] in _fsdp_state.py."""
     if flat.is_complex() or (flat.is_floating_point() and flat.element_size() not in _BITS):
         return None
     bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat
-    sums, start = [], 0
-    for n in numels:
-        sums.append(bits.narrow(0, start, n).sum(dtype=torch.int64))
+    kind, mix = (torch.int64, _MIX64) if bits.element_size() == 8 else (torch.int32, _MIX32)
+    longest = min(_DIGEST_CHUNK, max((s.numel() for s in shapes), default=0))
+    weights = torch.arange(longest, dtype=kind).mul_(mix).add_(1)
+    products = torch.empty(longest, dtype=kind)
+    digests, start = [], 0
+    for shape in shapes:
+        n = shape.numel()
+        digest = _shape_code(shape)
+        for at in range(0, n, _DIGEST_CHUNK):
+            m = min(_DIGEST_CHUNK, n - at)
+            chunk = torch.mul(bits.narrow(0, start + at, m), weights[:m], out=products[:m])
+            digest = _wrap(digest * _MIX64 + int(chunk.sum(dtype=torch.int64)))
+        digests.append(digest)
         start += n
-    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+    return torch.tensor(digests, dtype=torch.int64)
+
+
+def _shape_code(shape: Sequence[int]) -> int:
+    """An int64 that tells shapes apart, the same in every process."""
+    code = len(shape)
+    for size in shape:
+        code = code * 1000003 + int(size)
+    return _wrap(code)
+
+
+def _wrap(value: int) -> int:
+    """``value`` modulo 2**64, as an int64."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
 
 
 def registrations(places) -> list:

@@ -85,7 +85,9 @@ its own, one unit ahead.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import operator
 import sys
 import time
@@ -121,6 +123,51 @@ _requires_grad_of = operator.attrgetter("requires_grad")
 _IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 _PRE_BACKWARD, _POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
 _SHARDED, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDED
+
+
+def _wrapping_difference(wrappings: list, root_class: str) -> str:
+    """The error for ranks whose units differ (``wrappings[r]``: rank r's
+    ``FSDPState._wrapping()``). See [Note: every rank wraps the same model]."""
+    groups: dict[str, list[int]] = {}
+    for rank, wrapping in enumerate(wrappings):
+        groups.setdefault(json.dumps(wrapping), []).append(rank)
+    (first, ranks), *others = [(json.loads(k), v) for k, v in groups.items()]
+
+    def unit(place: str) -> str:
+        return repr(place) if place else f"the root ({root_class})"
+
+    lines = []
+    for other, other_ranks in others:
+        places, other_places = [u[0] for u in first], [u[0] for u in other]
+        only = [p for p in places if p not in other_places]
+        other_only = [p for p in other_places if p not in places]
+        if only or other_only:
+            lines.append(f"ranks {ranks} shard {len(places)} units, ranks {other_ranks} {len(other_places)}"
+                         + (f"; units {', '.join(map(unit, only))} only on ranks {ranks}" if only else "")
+                         + (f"; units {', '.join(map(unit, other_only))} only on ranks {other_ranks}"
+                            if other_only else ""))
+            continue
+        if places != other_places:
+            lines.append(f"ranks {ranks} and {other_ranks} shard the same units in another order: "
+                         f"{', '.join(map(unit, places))} / {', '.join(map(unit, other_places))}")
+            continue
+        for a, b in zip(first, other):
+            if a != b:
+                params_a, params_b = {p[0]: p[1:] for p in a[2]}, {p[0]: p[1:] for p in b[2]}
+                name = next((n for n in list(params_a) + list(params_b) if params_a.get(n) != params_b.get(n)), None)
+                what = (f"parameter {name!r}: {_param_text(params_a.get(name))} on ranks {ranks}, "
+                        f"{_param_text(params_b.get(name))} on ranks {other_ranks}") if name is not None else (
+                        f"its parameters in another order on ranks {ranks} and {other_ranks}")
+                lines.append(f"unit {unit(a[0])} holds {what}")
+                break
+    return ("pydist FSDP: the ranks sharded different units (fully_shard on other submodules, or a model with "
+            "other parameters), so their units' collectives would not pair up: " + "; ".join(lines) + ". Build "
+            "the same model and call fully_shard on the same submodules on every rank (a wrapping policy must not "
+            "depend on the rank). See [Note: every rank wraps the same model] in pydist/fsdp/_fsdp_state.py")
+
+
+def _param_text(entry) -> str:
+    return "absent" if entry is None else f"shape {tuple(entry[0])} {entry[1]}"
 
 
 def state_of(module: nn.Module) -> "FSDPState | None":
@@ -235,6 +282,7 @@ class FSDPState:
                 state.param_group.shard_materialized()
         self.is_root = True
         self.all_states = [s for _, s in named]
+        self._unit_names = [name for name, _ in named]  # each state's place under the root: see _check_wrapped_alike
         self._state_index = {id(s): i for i, s in enumerate(self.all_states)}  # what check_forward_order sends
         units = {name: s.param_group for name, s in named if s.param_group is not None and s is not self}
         for name, state in named:
@@ -288,6 +336,41 @@ class FSDPState:
     # state dict calls may come before the first forward, which is why the
     # check waits for it) replaces what was built, so that unit is not
     # checked; a unit some rank loaded is skipped on every rank.
+    # [Note: every rank wraps the same model]
+    # Every rank must call fully_shard on the same submodules, over the same
+    # parameters: the units' collectives pair up across ranks by their order
+    # alone. A wrapping that depends on the rank (a policy reading rank-local
+    # state, a rank that shards only some blocks) would pair one rank's unit
+    # with another's and fail, or train, on collectives of other sizes. So
+    # the root's first forward, before comparing values (see [Note: every
+    # rank builds the same model]), gathers a sha256 of each rank's units:
+    # their places under the root and their parameters' names, shapes and
+    # dtypes (one all-gather of 3 float64 values); where they differ, it
+    # gathers every rank's list and raises the same message on every rank,
+    # naming the units (or parameters) that differ and the ranks that have
+    # them.
+    def _wrapping(self) -> list:
+        """This rank's units as [place, module class, [[name, shape, dtype], ...]]."""
+        return [[name, type(s.module).__name__,
+                 [[fp.fqn, list(fp.shape), str(s.param_group.dtype)] for fp in s.param_group.fsdp_params]
+                 if s.param_group is not None else []]
+                for name, s in zip(self._unit_names, self.all_states)]
+
+    def _check_wrapped_alike(self) -> None:
+        text = json.dumps(self._wrapping()).encode()
+        digest = hashlib.sha256(text).digest()
+        head = torch.tensor([len(text), int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")],
+                            dtype=torch.float64)
+        table = collectives.all_gather_small(self.transport, head)  # (ranks, 3)
+        if bool((table == table[0]).all()):
+            return
+        lengths = [int(n) for n in table[:, 0].tolist()]
+        mine = torch.zeros(max(lengths), dtype=torch.float64)
+        mine[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.float64)
+        rows = collectives.all_gather_small(self.transport, mine)
+        wrappings = [json.loads(bytes(int(b) for b in row[:n].tolist())) for row, n in zip(rows, lengths)]
+        raise RuntimeError(_wrapping_difference(wrappings, type(self.module).__name__))
+
     def _check_built_alike(self) -> None:
         units = [s.param_group for s in self.all_states if s.param_group is not None]
         rows = []
@@ -411,7 +494,8 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         if not self._built_checked:
-            self._check_built_alike()  # raises with the model as it was
+            self._check_wrapped_alike()  # raises with the model as it was
+            self._check_built_alike()
             self._built_checked = True
         self._forward_open = True
         self.iteration += 1
