@@ -20,11 +20,11 @@ def _rank_files(inputs: list[str]) -> list[str]:
     paths = []
     for item in inputs:
         if os.path.isdir(item):
-            found = glob.glob(os.path.join(item, "rank*.json"))
-            found.sort(key=lambda p: int(re.search(r"rank(\d+)", os.path.basename(p)).group(1)))
-            if not found:
-                raise SystemExit(f"pydist.overlap merge: no rank*.json in {item}")
-            paths += found
+            numbered = [(int(m.group(1)), p) for p in glob.glob(os.path.join(item, "rank*.json"))
+                        if (m := re.fullmatch(r"rank(\d+)\.json", os.path.basename(p)))]
+            if not numbered:
+                raise SystemExit(f"pydist.overlap merge: no rank<N>.json in {item}")
+            paths += [p for _, p in sorted(numbered)]
         else:
             paths.append(item)
     return paths
@@ -44,19 +44,36 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--rank", type=int, help="the rank to draw (default: the first in the trace)")
     args = parser.parse_args(argv)
 
+    # A file that cannot be read, or is not a trace, is named with what is
+    # wrong, on stderr, and exits 2: no traceback (load_trace and the
+    # report's reading raise ValueError for a damaged file).
     if args.command == "merge":
         paths = _rank_files(args.inputs)
         output = args.output or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "merged.json")
-        document = trace.merge_traces(paths)
-        trace.write_trace(output, document)
+        try:
+            document = trace.merge_traces(paths)
+            trace.write_trace(output, document)
+        except (OSError, ValueError) as exc:
+            print(f"pydist.overlap merge: {exc}", file=sys.stderr)
+            return 2
         print(f"merged {len(paths)} traces (ranks {document['otherData']['merged_ranks']}) into {output}")
         return 0
     try:
         document = trace.load_trace(args.trace)
-    except (OSError, ValueError) as exc:
+        text = report.report_text(document)
+    except ValueError as exc:
+        text = str(exc)
+        where = "" if text.startswith(f"{args.trace}:") else f"{args.trace}: "  # the report's errors name no file
+        print(f"pydist.overlap report: {where}{text}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError) as exc:  # a value of another type where steps_from_trace checks none
+        print(f"pydist.overlap report: {args.trace}: not a trace the report can read "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    except OSError as exc:
         print(f"pydist.overlap report: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.write(report.report_text(document))
+    sys.stdout.write(text)
     if args.plot:
         try:
             chosen = report.plot_step(document, args.plot, step=args.step, rank=args.rank)

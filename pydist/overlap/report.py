@@ -30,15 +30,25 @@ class TraceStep(NamedTuple):
     buckets: dict  # bucket index -> the bucket event's args
 
 
+# What the report reads from a step's and a bucket's event (trace.py writes them).
+STEP_FIELDS = ("step", "exposed_ms", "backward_end_ms", "finalize_end_ms")
+BUCKET_FIELDS = ("step", "bucket", "bytes", "first_grad_ms", "last_grad_ms", "launch_ms", "complete_ms", "done_ms",
+                 "hidden_ms", "exposed_ms", "write_back_ms")
+
+
 def steps_from_trace(document: dict) -> list[TraceStep]:
     """The steps a trace holds, read back from its events' args, ordered by
-    rank, wrapper and step."""
+    rank, wrapper and step. Raises ``ValueError`` naming the first step or
+    bucket event that lacks a field the report reads, or holds a non-number
+    there (a trace that ``trace.load_trace`` has read)."""
     steps: dict[tuple, TraceStep] = {}
     buckets: dict[tuple, dict] = collections.defaultdict(dict)
-    for e in document["traceEvents"]:
+    for i, e in enumerate(document["traceEvents"]):
         if e.get("ph") != "X":
             continue
         cat = e.get("cat")
+        if cat in ("step", "comm"):
+            _check_fields(i, e, STEP_FIELDS if cat == "step" else BUCKET_FIELDS)
         key = (e["pid"], e["tid"] // 1000, e["args"].get("step"))
         if cat == "step":
             steps[key] = TraceStep(e["pid"], key[1], key[2], e["ts"], e["args"], {})
@@ -48,6 +58,23 @@ def steps_from_trace(document: dict) -> list[TraceStep]:
     for key in sorted(steps):
         out.append(steps[key]._replace(buckets=dict(sorted(buckets.get(key, {}).items()))))
     return out
+
+
+def _check_fields(index: int, event: dict, fields: tuple) -> None:
+    where = f"traceEvents[{index}] ({event.get('cat')} event {event.get('name')!r})"
+    for key in ("pid", "tid"):
+        if not isinstance(event.get(key), int) or isinstance(event.get(key), bool):
+            raise ValueError(f"{where}: {key} is {event.get(key)!r}, not an integer")
+    if event.get("cat") == "step" and "ts" not in event:
+        raise ValueError(f"{where}: no ts")
+    args = event.get("args")
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: no args object")
+    for key in fields:
+        value = args.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{where}: args.{key} is {'missing' if key not in args else repr(value)}, "
+                             "not a number")
 
 
 def _fmt(x: float) -> str:

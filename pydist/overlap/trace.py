@@ -158,13 +158,50 @@ def write_trace(path: str, document: dict) -> None:
 
 
 def load_trace(path: str) -> dict:
-    with open(path) as f:
-        document = json.load(f)
+    """A trace file's document (the object form, or the bare array of
+    events). Raises ``ValueError`` naming the file and what is wrong when it
+    is not JSON (a truncated file) or not a Chrome trace: ``traceEvents``
+    must be a list of objects whose ``ts`` and ``dur`` are numbers, ``args``
+    and ``otherData`` objects. What the report reads beyond that is checked
+    there (``report.steps_from_trace``)."""
+    try:
+        with open(path, "rb") as f:
+            document = json.loads(f.read())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON, {exc.msg} at line {exc.lineno} column {exc.colno} "
+                         f"(a truncated or damaged file?)") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a JSON text file ({exc.reason} at byte {exc.start})") from None
     if isinstance(document, list):  # the bare-array form of the format
         document = {"traceEvents": document}
-    if "traceEvents" not in document:
+    if not isinstance(document, dict) or "traceEvents" not in document:
         raise ValueError(f"{path}: not a Chrome trace (no traceEvents)")
+    events = document["traceEvents"]
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: traceEvents is {_kind(events)}, not a list of events")
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ValueError(f"{path}: traceEvents[{i}] is {_kind(e)}, not an event (an object)")
+        for key in ("ts", "dur"):
+            if key in e and not _is_number(e[key]):
+                raise ValueError(f"{path}: traceEvents[{i}].{key} is {_kind(e[key])}, not a number")
+        if "args" in e and not isinstance(e["args"], dict):
+            raise ValueError(f"{path}: traceEvents[{i}].args is {_kind(e['args'])}, not an object")
+    if not isinstance(document.get("otherData", {}), dict):
+        raise ValueError(f"{path}: otherData is {_kind(document['otherData'])}, not an object")
     return document
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value) -> str:
+    """How an error names a JSON value: its JSON type, and the value if short."""
+    name = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+    text = json.dumps(value)
+    return f"{name} ({text})" if len(text) <= 40 else name
 
 
 def merge_traces(paths: list[str]) -> dict:
@@ -182,6 +219,9 @@ def merge_traces(paths: list[str]) -> dict:
         sync = doc.get("otherData", {}).get("clock_sync")
         if sync is None:
             raise ValueError(f"merge: {path} has no otherData.clock_sync; was it written by pydist.overlap?")
+        if not (isinstance(sync, dict) and all(_is_number(sync.get(k)) for k in ("realtime_ns", "monotonic_ns"))):
+            raise ValueError(f"merge: {path}: otherData.clock_sync is {_kind(sync)}, not realtime_ns and "
+                             "monotonic_ns numbers")
         shifts.append((sync["realtime_ns"] - sync["monotonic_ns"]) / 1e3)
     starts = [min((e["ts"] + s for e in d["traceEvents"] if "ts" in e), default=float("inf"))
               for d, s in zip(documents, shifts)]
