@@ -36,6 +36,7 @@ class Plan(NamedTuple):
     params: list[tuple[str, list[int], str]]  # name, shape, dtype of each parameter the reducer owns
     chunk_bytes: int
     world_size: int
+    source: str = ""  # the file it was read from (load_plan), for errors; not saved
 
 
 def plan_of(ddp) -> Plan:
@@ -53,7 +54,7 @@ def save_plan(ddp, path: str) -> Plan:
     plan = plan_of(ddp)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"format": FORMAT, **plan._asdict()}, f, indent=1)
+        json.dump({"format": FORMAT, **{k: v for k, v in plan._asdict().items() if k != "source"}}, f, indent=1)
     os.replace(tmp, path)
     return plan
 
@@ -64,9 +65,26 @@ def load_plan(path: str) -> Plan:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise RuntimeError(f"pydist.overlap replay: cannot read the plan {path!r} ({exc})") from exc
-    if data.get("format") != FORMAT:
-        raise RuntimeError(f"pydist.overlap replay: {path!r} is not a pydist plan (format {data.get('format')!r})")
-    return Plan(data["buckets"], [tuple(p) for p in data["params"]], int(data["chunk_bytes"]), int(data["world_size"]))
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        raise RuntimeError(f"pydist.overlap replay: {path!r} is not a pydist plan (format {found!r})")
+    try:
+        return Plan(buckets=[[_index(i) for i in bucket] for bucket in data["buckets"]],
+                    params=[(str(name), [_index(n) for n in shape], str(dtype)) for name, shape, dtype in data["params"]],
+                    chunk_bytes=_index(data["chunk_bytes"]), world_size=_index(data["world_size"]), source=path)
+    except KeyError as exc:
+        problem = f"no {exc.args[0]!r} entry"
+    except (TypeError, ValueError) as exc:
+        problem = str(exc)
+    raise RuntimeError(f"pydist.overlap replay: the plan {path!r} is damaged ({problem}); record it again "
+                       f"({RECORD_ENV}=FILE or overlap.save_plan)")
+
+
+def _index(value) -> int:
+    """A non-negative integer of a plan file (bools and fractions are not)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} where a non-negative integer belongs")
+    return value
 
 
 def apply_plan(ddp, plan: Plan, reducer=None) -> None:
@@ -76,16 +94,17 @@ def apply_plan(ddp, plan: Plan, reducer=None) -> None:
     reducer = reducer if reducer is not None else ddp.reducer
     mine = [(n, list(p.shape), str(p.dtype)) for n, p in zip(ddp._param_names, ddp._params)]
     theirs = [(n, list(s), d) for n, s, d in plan.params]
+    read = f" (read from {plan.source!r})" if plan.source else ""
     if len(mine) != len(theirs):
         raise RuntimeError(
-            f"pydist.overlap replay: the plan has {len(theirs)} parameters, this model {len(mine)}; "
-            "replay a plan recorded from the same model"
+            f"pydist.overlap replay: the plan has {len(theirs)} parameters, this model {len(mine)}{read}; "
+            "replay a plan recorded from the same model (nothing was applied)"
         )
     for i, (a, b) in enumerate(zip(mine, theirs)):
         if a != b:
             raise RuntimeError(
                 f"pydist.overlap replay: parameter {i} is {a[0]} {a[1]} {a[2]} here but {b[0]} {b[1]} {b[2]} "
-                "in the plan; replay a plan recorded from the same model"
+                f"in the plan{read}; replay a plan recorded from the same model (nothing was applied)"
             )
     if plan.chunk_bytes != ddp._chunk_bytes:
         warnings.warn(
