@@ -319,23 +319,6 @@ class FSDPState:
         self._sharded_params = [fp.sharded_param for pg in self._units for fp in pg.fsdp_params]
         self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]  # (taken up)
 
-    # [Note: every rank builds the same model]
-    # fully_shard keeps each rank's shard of the values that rank built: no
-    # broadcast, as in torch's FSDP2 (and FSDP1 without sync_module_states).
-    # A DDP script seeds each rank differently before building the model
-    # (nanoGPT: torch.manual_seed(1337 + rank)), which DDP's broadcast of
-    # rank 0's values makes harmless; sharded, the model trained would be a
-    # mix of the ranks' models (NO_SHARD: a different model on each rank),
-    # silently, under torch's wrappers too. So each unit notes, when laid out
-    # (_shard_of), a digest of every parameter's values (the sum of their bit
-    # patterns: exact, whatever the threads), and the root's first forward
-    # gathers them (one small all-gather) and raises on every rank, naming
-    # the first parameter that differs and which ranks agree, before its
-    # forward starts; it checks again at the next forward until it passes. A
-    # state dict loaded into a unit since (a checkpoint, the usual cure;
-    # state dict calls may come before the first forward, which is why the
-    # check waits for it) replaces what was built, so that unit is not
-    # checked; a unit some rank loaded is skipped on every rank.
     # [Note: every rank wraps the same model]
     # Every rank must call fully_shard on the same submodules, over the same
     # parameters: the units' collectives pair up across ranks by their order
@@ -371,6 +354,26 @@ class FSDPState:
         wrappings = [json.loads(bytes(int(b) for b in row[:n].tolist())) for row, n in zip(rows, lengths)]
         raise RuntimeError(_wrapping_difference(wrappings, type(self.module).__name__))
 
+    # [Note: every rank builds the same model]
+    # fully_shard keeps each rank's shard of the values that rank built: no
+    # broadcast, as in torch's FSDP2 (and FSDP1 without sync_module_states).
+    # A DDP script seeds each rank differently before building the model
+    # (nanoGPT: torch.manual_seed(1337 + rank)), which DDP's broadcast of
+    # rank 0's values makes harmless; sharded, the model trained would be a
+    # mix of the ranks' models (NO_SHARD: a different model on each rank),
+    # silently, under torch's wrappers too. So each unit notes, when laid out
+    # (_shard_of), a digest of every parameter's values, their places and
+    # its shape (_digests: integer sums of weighted bit patterns, exact
+    # whatever the threads; the same values transposed on one rank differ),
+    # and the root's first forward, once the ranks' units agree (see
+    # [Note: every rank wraps the same model]), gathers them (one small
+    # all-gather) and raises on every rank, naming
+    # the first parameter that differs and which ranks agree, before its
+    # forward starts; it checks again at the next forward until it passes. A
+    # state dict loaded into a unit since (a checkpoint, the usual cure;
+    # state dict calls may come before the first forward, which is why the
+    # check waits for it) replaces what was built, so that unit is not
+    # checked; a unit some rank loaded is skipped on every rank.
     def _check_built_alike(self) -> None:
         units = [s.param_group for s in self.all_states if s.param_group is not None]
         rows = []

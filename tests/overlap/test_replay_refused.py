@@ -79,7 +79,7 @@ def test_a_plan_for_another_model_or_damaged_is_refused(tmp_path):
         assert (f"parameter 0 is 0.weight [8, 16] torch.float32 here but 0.weight [24, 16] torch.float32 in the plan "
                 f"{read}; replay a plan recorded from the same model (nothing was applied)") in out["transposed"], (
             rank, out["transposed"])
-        assert f"parameter 0 is a.weight [24, 16] torch.float32 here but 0.weight" in out["renamed"], out["renamed"]
+        assert "parameter 0 is a.weight [24, 16] torch.float32 here but 0.weight" in out["renamed"], out["renamed"]
         assert f"the plan has 4 parameters, this model 6 {read}" in out["deeper"], out["deeper"]
         no_buckets = os.path.join(str(tmp_path), "no_buckets.json")
         assert f"the plan {no_buckets!r} is damaged (no 'buckets' entry)" in out["no_buckets"], out["no_buckets"]
