@@ -2,6 +2,7 @@
 marked hooks, so that environment variables change an unchanged script.
 
     transport_for(ddp, transport)   building the reducer: PYDIST_SIM_NET / sim_net=
+    p2p_delay()                     pipeline channels: PYDIST_SIM_NET (pydist/pipelining)
     reducer_made(ddp, reducer)      after it is built: PYDIST_REPLAY
     attach(ddp)                     end of __init__: PYDIST_TRACE, overlap.record()
 
@@ -18,7 +19,7 @@ import sys
 from pydist.overlap import network, plans, recording
 from pydist.overlap import trace as trace_module
 
-__all__ = ["transport_for", "reducer_made", "attach", "TraceSession"]
+__all__ = ["transport_for", "p2p_delay", "reducer_made", "attach", "TraceSession"]
 
 
 def transport_for(ddp, transport):
@@ -33,6 +34,18 @@ def transport_for(ddp, transport):
 
     inner = transport if transport is not None else transports.ProcessGroupTransport(ddp.process_group)
     return network.sim_net(inner, link)
+
+
+def p2p_delay():
+    """For pipeline stages' point-to-point messages: a function of the
+    payload's bytes giving the seconds the PYDIST_SIM_NET link takes to
+    carry it (its latency plus bytes / bandwidth: a one-hop transfer, what
+    ``network.model_seconds`` gives a two-rank all-gather of twice the
+    bytes), or None when the variable is unset."""
+    link = network.link_from_env()
+    if link is None:
+        return None
+    return lambda nbytes: link.latency_s + nbytes * 8 / link.bandwidth_bps
 
 
 def reducer_made(ddp, reducer) -> None:

@@ -1,0 +1,108 @@
+"""What the pipelining tests run on each rank: the same model, seeds and
+data under torch.distributed.pipelining and under pydist.pipelining, and the
+single-process reference that runs the micro-batches in order."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+SEED = 1234
+WIDTH = 16
+
+
+def make_layers(n_layers: int, seed: int = SEED) -> list[nn.Module]:
+    """n_layers blocks (Linear + Tanh), the last a bare Linear to 4 outputs."""
+    torch.manual_seed(seed)
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n_layers - 1)]
+    layers.append(nn.Linear(WIDTH, 4))
+    return layers
+
+
+def split(layers: list[nn.Module], num_stages: int) -> list[nn.Module]:
+    """Layer by layer into num_stages consecutive parts."""
+    per = len(layers) // num_stages
+    return [nn.Sequential(*layers[i * per:(i + 1) * per]) for i in range(num_stages)]
+
+
+def batches(steps: int, batch: int = 8, seed: int = 99):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, WIDTH, generator=g), torch.randn(batch, 4, generator=g)) for _ in range(steps)]
+
+
+def loss_fn(out, target):
+    return nn.functional.mse_loss(out, target)
+
+
+def reference(n_layers: int, n_microbatches: int, steps: int, lr: float = 0.1):
+    """One process, the whole model, micro-batches in order, gradients
+    divided by their count at the end (what a pipeline schedule computes)."""
+    model = nn.Sequential(*make_layers(n_layers))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], None
+    for step, (x, y) in enumerate(batches(steps)):
+        opt.zero_grad()
+        step_losses = []
+        for xm, ym in zip(torch.tensor_split(x, n_microbatches), torch.tensor_split(y, n_microbatches)):
+            loss = loss_fn(model(xm), ym)
+            loss.backward()
+            step_losses.append(loss.detach())
+        for p in model.parameters():
+            p.grad.div_(n_microbatches)
+        if step == 0:
+            grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        losses.append(step_losses)
+    return {"losses": losses, "grads": grads, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def run_pipeline(rank: int, world: int, lib: str, schedule: str, n_layers: int, stages_per_rank: int,
+                 n_microbatches: int, steps: int, p2p=None, lr: float = 0.1, group=None, timeout=None):
+    """This rank's stages under ``lib`` ("torch" or "pydist"). Returns, per
+    local stage index, its first step's grads and last params (flattened in
+    the whole model's parameter order), and the last stage's losses."""
+    if lib == "torch":
+        from torch.distributed import pipelining as pp
+        extra = {}
+    else:
+        from pydist import pipelining as pp
+        extra = {"p2p": p2p}
+        if timeout is not None:
+            extra["timeout"] = timeout
+    num_stages = world * stages_per_rank
+    parts = split(make_layers(n_layers), num_stages)
+    mine = [s for s in range(num_stages) if s % world == rank]
+    stages = [pp.PipelineStage(parts[s], s, num_stages, torch.device("cpu"), group=group, **extra) for s in mine]
+    opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], lr=lr)
+    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B}[schedule]
+    sched = cls(stages if schedule == "interleaved" else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    all_losses, grads = [], {}
+    for step, (x, y) in enumerate(batches(steps)):
+        opt.zero_grad()
+        losses = []
+        kwargs = {}
+        if num_stages - 1 in mine:
+            kwargs = {"target": y, "losses": losses}
+        args = (x,) if 0 in mine else ()
+        sched.step(*args, **kwargs)
+        if step == 0:
+            grads = {s: [p.grad.clone() for p in parts[s].parameters()] for s in mine}
+        opt.step()
+        if losses:
+            all_losses.append([l.detach() for l in losses])
+    params = {s: [p.detach().clone() for p in parts[s].parameters()] for s in mine}
+    out = {"grads": grads, "params": params, "losses": all_losses}
+    if lib == "pydist":
+        out["carrier"] = sched.p2p_carrier
+        sched.close()
+    return out
+
+
+def compare_job(rank: int, world: int, cases: list[tuple], n_layers: int, n_microbatches: int, steps: int):
+    """Every case (lib, schedule, stages_per_rank, p2p) in one job; results in case order."""
+    results = []
+    for lib, schedule, spr, p2p in cases:
+        results.append(run_pipeline(rank, world, lib, schedule, n_layers, spr, n_microbatches, steps, p2p=p2p))
+        dist.barrier()
+    return results
