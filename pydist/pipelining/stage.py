@@ -220,6 +220,8 @@ class PipelineStage:
                 with self.submod.no_sync():
                     torch.autograd.backward(roots, grad_tensors=grads)
             return
+        if hasattr(self.submod, "set_requires_gradient_sync"):  # fully_shard'ed: reduce-scatter in the last only
+            self.submod.set_requires_gradient_sync(last_backward)
         torch.autograd.backward(roots, grad_tensors=grads)
 
     # --- per step ---------------------------------------------------------------

@@ -106,3 +106,95 @@ def compare_job(rank: int, world: int, cases: list[tuple], n_layers: int, n_micr
         results.append(run_pipeline(rank, world, lib, schedule, n_layers, spr, n_microbatches, steps, p2p=p2p))
         dist.barrier()
     return results
+
+
+def run_2d(rank: int, world: int, lib: str, schedule: str, wrapper: str, n_layers: int, n_microbatches: int,
+           steps: int, lr: float = 0.1):
+    """(pp=2, dp=2): each stage wrapped by ``wrapper`` ("ddp": the library's
+    own DDP; "fsdp": pydist.fully_shard), each dp rank on its half of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    pp_rank, dp_rank = dist.get_rank(pp_group), dist.get_rank(dp_group)
+    # lib: "torch" (torch's pipelining and DDP), "pydist" (pydist's), or "pydist+torch_ddp".
+    if lib == "torch":
+        from torch.distributed import pipelining as pp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    elif lib == "pydist+torch_ddp":
+        from pydist import pipelining as pp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    else:
+        from pydist import pipelining as pp
+        from pydist import DistributedDataParallel as DDP
+    parts = split(make_layers(n_layers), 2)
+    part = parts[pp_rank]
+    if wrapper == "ddp":
+        module = DDP(part, process_group=dp_group)
+    else:
+        import pydist
+
+        module = pydist.fully_shard(part, mesh=mesh["dp"])
+    stage = pp.PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pp_group)
+    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[schedule]
+    sched = cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    all_losses, grads = [], None
+    for step, (x, y) in enumerate(batches(steps, batch=16)):
+        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        opt.zero_grad()
+        losses = []
+        if pp_rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=losses)
+        if step == 0 and wrapper == "ddp":  # a sharded wrapper's are flat shards: its parameters are compared
+            grads = [p.grad.clone() for p in module.parameters()]
+        opt.step()
+        if losses:
+            all_losses.append([l.detach() for l in losses])
+    if wrapper == "ddp":
+        params = [p.detach().clone() for p in module.parameters()]
+    else:
+        import pydist.fsdp
+
+        params = [t.clone() for t in pydist.fsdp.full_state_dict(module).values()]
+    return {"pp_rank": pp_rank, "dp_rank": dp_rank, "grads": grads, "params": params, "losses": all_losses}
+
+
+def job_2d(rank: int, world: int, cases: list[tuple], n_layers: int, n_microbatches: int, steps: int):
+    out = []
+    for lib, schedule, wrapper in cases:
+        out.append(run_2d(rank, world, lib, schedule, wrapper, n_layers, n_microbatches, steps))
+        dist.barrier()
+    return out
+
+
+def reference_2d(n_layers: int, n_microbatches: int, steps: int, lr: float = 0.1, dp: int = 2):
+    """One process: each dp rank's half of the batch run micro-batch by
+    micro-batch into its own accumulated gradient S_k, then the DDP average
+    sum_k S_k * (1/dp) (a two-term sum at dp=2), then / n_microbatches."""
+    model = nn.Sequential(*make_layers(n_layers))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], None
+    for step, (x, y) in enumerate(batches(steps, batch=16)):
+        sums = []
+        step_losses = []
+        for k in range(dp):
+            opt.zero_grad()
+            xk, yk = x.chunk(dp)[k], y.chunk(dp)[k]
+            for xm, ym in zip(torch.tensor_split(xk, n_microbatches), torch.tensor_split(yk, n_microbatches)):
+                loss = loss_fn(model(xm), ym)
+                loss.backward()
+                step_losses.append((k, loss.detach()))
+            sums.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            total = sums[0][i] * (1.0 / dp)
+            for k in range(1, dp):
+                total = total + sums[k][i] * (1.0 / dp)
+            p.grad = total.div_(n_microbatches)
+        if step == 0:
+            grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        losses.append(step_losses)
+    return {"losses": losses, "grads": grads, "params": [p.detach().clone() for p in model.parameters()]}
