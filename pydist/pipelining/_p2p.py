@@ -356,6 +356,12 @@ class Channel:
                 failed = True
                 self._fail(exc)
 
+    def _where(self) -> str:
+        if self.carrier is Carrier.SHM:  # the segment numbers its two ranks itself
+            return (f" (in the channel's segment rank 0 is rank {self.src_rank}, the sender, and rank 1 is rank "
+                    f"{self.dst_rank})")
+        return ""
+
     def _send_now(self, header, payload, mb) -> None:
         start = time.monotonic_ns()
         if self._delay is not None:
@@ -363,8 +369,8 @@ class Channel:
         try:
             self._link.send(header, payload)
         except Exception as exc:
-            raise P2PError(f"pydist.pipelining: sending the {self.describe()} of micro-batch {mb} failed: {exc}") \
-                from exc
+            raise P2PError(f"pydist.pipelining: sending the {self.describe()} of micro-batch {mb} failed: {exc}"
+                           f"{self._where()}") from exc
         if self._on_transfer is not None:
             self._on_transfer("send", mb, start, time.monotonic_ns(), payload.numel())
         with self._lock:
@@ -377,7 +383,7 @@ class Channel:
             header, payload = self._link.recv()
         except Exception as exc:
             raise P2PError(f"pydist.pipelining: receiving the {self.describe()} of micro-batch {mb} failed: "
-                           f"{exc}") from exc
+                           f"{exc}{self._where()}") from exc
         if header[0].item() == _ABORT:
             n = int(header[2].item())
             reason = header[3:].contiguous().view(torch.uint8)[:n].numpy().tobytes().decode(errors="replace")
@@ -398,6 +404,18 @@ class Channel:
     def _raise_send_error(self) -> None:
         if self._send_error is not None:
             raise self._send_error
+
+
+# How many times each group opened channels: every rank of a group opens the
+# same pipelines in the same order (open_channels is collective), so the
+# count agrees across ranks and goes into the tags. Messages a failed
+# pipeline left in flight then never match a later pipeline's receives.
+_generations: dict = {}
+
+
+def _tag(generation: int, num_stages: int, src: int, dst: int) -> int:
+    """The process-group tag of channel src -> dst: distinct per directed stage pair and per generation."""
+    return 1000 + 2 * num_stages * generation + 2 * min(src, dst) + (1 if dst < src else 0)
 
 
 def choose_carrier(p2p: str | None) -> str | None:
@@ -436,6 +454,8 @@ def open_channels(group, stage_ranks: dict[int, int], num_stages: int, p2p: str 
         if shm_ends is None and p2p == "shm":
             raise RuntimeError(f"pydist.pipelining(p2p='shm'): the stages cannot exchange tensors through shared "
                                f"memory ({why_not}). Pass p2p=None to fall back to the process group.")
+    key = getattr(group, "group_name", None) or id(group)
+    generation = _generations[key] = _generations.get(key, -1) + 1
     delay = overlap_hooks.p2p_delay()  # [overlap hook] PYDIST_SIM_NET: None when unset
     channels = {}
     for src, dst in directed:
@@ -447,8 +467,7 @@ def open_channels(group, stage_ranks: dict[int, int], num_stages: int, p2p: str 
         elif shm_ends is not None:
             link = _ShmLink(shm_ends[remote.index((src, dst))], sender=(me == a))
         else:
-            # One tag per channel (distinct per directed stage pair).
-            link = _GroupLink(group, b if me == a else a, tag=1000 + 2 * src + (1 if dst < src else 0))
+            link = _GroupLink(group, b if me == a else a, tag=_tag(generation, num_stages, src, dst))
         on = (lambda what, mb, t0, t1, n, s=src, d=dst: on_transfer(s, d, what, mb, t0, t1, n)) if on_transfer else None
         channels[(src, dst)] = Channel(src, dst, a, b, me, link, timeout_s, delay=delay, on_transfer=on)
     carrier = "local" if not remote else ("shm" if shm_ends is not None else "process_group")

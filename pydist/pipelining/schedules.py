@@ -62,7 +62,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.microbatch import merge_chunks, split_args_kwargs_into_chunks
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist.pipelining import _p2p
 from pydist.pipelining.stage import PipelineStage, StageState
@@ -300,6 +300,8 @@ class _PipelineSchedule:
         self._channels, self.p2p_carrier = channels, carrier
         for s in self._stages:
             s._attach_channels(channels)
+            s._wait_begins = self._stop_stall_clock
+            s._waited = self._restart_stall_clock
 
     def close(self) -> None:
         """Closes the channels (every rank should); the stages can be given to a new schedule."""
@@ -331,11 +333,7 @@ class _PipelineSchedule:
             s.clear_runtime_states()
             s.state = StageState.RUNNING
         M = self._n_microbatches
-        if args or kwargs:
-            arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, M, self._args_chunk_spec,
-                                                               self._kwargs_chunk_spec)
-        else:
-            arg_mbs, kwarg_mbs = [()] * M, [{}] * M
+        arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
         target_mbs = list(torch.tensor_split(target, M, 0)) if target is not None else None
         self._internal_losses = []
         actions = [a for a in self.execution_order[self._rank] if a is not None]
@@ -367,8 +365,57 @@ class _PipelineSchedule:
             self._internal_losses = []
             last = next(s for s in self._stages if s.is_last)
             if return_outputs:
-                return merge_chunks(last.output_chunks, self._output_merge_spec)
+                return self._merge_outputs(last.output_chunks)
         return None
+
+    # [Note: micro-batches]
+    # Without chunk specs, every tensor in the inputs (at any depth) is cut
+    # with torch.tensor_split(t, n_microbatches, 0) and everything else is
+    # passed to every micro-batch, and the last stage's outputs are
+    # concatenated on dim 0: what torch's split_args_kwargs_into_chunks and
+    # merge_chunks do by default, the same views and so the same bits, without
+    # importing torch.distributed.pipelining (seconds of start-up per rank).
+    # With args_chunk_spec / kwargs_chunk_spec / output_merge_spec (torch's
+    # TensorChunkSpec), torch's own functions do it.
+    def _split_inputs(self, args: tuple, kwargs: dict) -> tuple[list, list]:
+        M = self._n_microbatches
+        if not args and not kwargs:
+            return [()] * M, [{}] * M
+        if self._args_chunk_spec is not None or self._kwargs_chunk_spec is not None:
+            from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+            return split_args_kwargs_into_chunks(args, kwargs, M, self._args_chunk_spec, self._kwargs_chunk_spec)
+        leaves, spec = tree_flatten((args, kwargs))
+        columns = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.size(0) < M:
+                    raise ValueError(f"{type(self).__name__}.step: an input's dim 0 has {leaf.size(0)} rows, fewer "
+                                     f"than n_microbatches={M}")
+                chunks = torch.tensor_split(leaf, M, 0)
+                if leaf.requires_grad and leaf.is_leaf:
+                    for c in chunks:
+                        c.retain_grad()
+                columns.append(chunks)
+            else:
+                columns.append([leaf] * M)
+        split = [tree_unflatten([col[i] for col in columns], spec) for i in range(M)]
+        return [a for a, _ in split], [k for _, k in split]
+
+    def _merge_outputs(self, chunks: list):
+        if self._output_merge_spec is not None:
+            from torch.distributed.pipelining.microbatch import merge_chunks
+
+            return merge_chunks(chunks, self._output_merge_spec)
+        flat = [tree_flatten(c) for c in chunks]
+        spec = flat[0][1]
+        merged = []
+        for i, first in enumerate(flat[0][0]):
+            if isinstance(first, torch.Tensor):
+                merged.append(torch.cat([f[0][i] for f in flat], dim=0))
+            else:
+                merged.append(first)
+        return tree_unflatten(merged, spec)
 
     def _run_actions(self, actions, arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs, backward) -> None:
         stages = {s.stage_index: s for s in self._stages}
@@ -412,6 +459,18 @@ class _PipelineSchedule:
                 self._guard(s, "reduce_grad", -1, lambda s=s: s.perform_reduce_grad(M if self.scale_grads else 1))
                 self._record(s.stage_index, "reduce_grad", -1, t0)
 
+    def _stop_stall_clock(self) -> None:
+        """A receive begins: its wait is bounded by the channel's timeout, not the watchdog's."""
+        current = self._current
+        if current is not None:
+            self._current = (current[0], current[1], current[2], None)
+
+    def _restart_stall_clock(self) -> None:
+        """A receive returned: the stall watchdog counts the action's compute from now."""
+        current = self._current
+        if current is not None:
+            self._current = (current[0], current[1], current[2], time.monotonic())
+
     def _record(self, stage: int, action: str, mb: int, t0: int) -> None:
         if self._recording:
             self._records.append(StageRecord(self._rank, stage, action, mb, t0, time.monotonic_ns()))
@@ -453,8 +512,8 @@ class _PipelineSchedule:
             while True:
                 time.sleep(min(0.5, timeout / 4))
                 current = self._current
-                if current is None or current[0] == "flush":
-                    continue
+                if current is None or current[0] == "flush" or current[3] is None:
+                    continue  # between steps, or waiting on a channel (bounded by its own timeout)
                 action, stage, mb, start = current
                 if time.monotonic() - start > timeout:
                     print(f"pydist.pipelining: stage {stage} (rank {self._rank}) stalled in its {action} of "

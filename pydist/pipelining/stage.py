@@ -115,6 +115,9 @@ class PipelineStage:
         self._fwd_in: _p2p.Channel | None = None
         self._fwd_out: _p2p.Channel | None = None
         self._bwd_in: _p2p.Channel | None = None
+        # Called around each receive: the schedule's stall watchdog times compute, not waits (set by it).
+        self._wait_begins = lambda: None
+        self._waited = lambda: None
         self._bwd_out: _p2p.Channel | None = None
 
     def __repr__(self) -> str:
@@ -152,7 +155,9 @@ class PipelineStage:
         if self.is_first:
             composite_args = tuple(args)
         else:
+            self._wait_begins()
             composite_args = self._fwd_in.recv(fwd_chunk_id)
+            self._waited()
         kwargs = kwargs or {}
         output = self._forward(*composite_args, **kwargs)
         outputs = _as_tuple(output)
@@ -189,7 +194,9 @@ class PipelineStage:
         if self.is_last:
             roots, grads = [loss], [None]
         else:
+            self._wait_begins()
             received = self._bwd_in.recv(bwd_chunk_id)
+            self._waited()
             roots, grads = [], []
             for out, g in zip(outputs, received):
                 if isinstance(out, torch.Tensor) and (out.requires_grad or out.grad_fn is not None):
