@@ -88,19 +88,26 @@ class Faulty(nn.Module):
         return self.inner(x)
 
 
-def faulty_job(rank: int, world: int, schedule: str, p2p, bad_stage: int, how: str, stage_timeout: float):
-    """One step of ``schedule`` in which stage ``bad_stage`` misbehaves in its second forward."""
+def faulty_job(rank: int, world: int, pipelines: list, schedule: str, bad_stage: int, how: str,
+               stage_timeout: float):
+    """Independent pipelines side by side, ``pipelines`` a list of (ranks,
+    p2p): in each, one step of ``schedule`` in which stage ``bad_stage``
+    misbehaves (``how``) in its second forward. Raises what the step raised."""
     from pydist import pipelining as pp
 
-    parts = h.split(h.make_layers(world * 2), world)
-    module = Faulty(parts[rank], how, at_call=2) if rank == bad_stage else parts[rank]
-    stage = pp.PipelineStage(module, rank, world, torch.device("cpu"), p2p=p2p, timeout=stage_timeout)
+    groups = [dist.new_group(ranks) for ranks, _ in pipelines]  # collective: every rank makes every group
+    (ranks, p2p), group = next(((r, p), g) for (r, p), g in zip(pipelines, groups) if rank in r)
+    n = len(ranks)
+    me = ranks.index(rank)
+    parts = h.split(h.make_layers(n * 2), n)
+    module = Faulty(parts[me], how, at_call=2) if me == bad_stage else parts[me]
+    stage = pp.PipelineStage(module, me, n, torch.device("cpu"), group=group, p2p=p2p, timeout=stage_timeout)
     cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[schedule]
     sched = cls(stage, n_microbatches=4, loss_fn=h.loss_fn)
     x, y = h.batches(1)[0]
-    if rank == 0:
+    if me == 0:
         sched.step(x)
-    elif rank == world - 1:
+    elif me == n - 1:
         sched.step(target=y)
     else:
         sched.step()

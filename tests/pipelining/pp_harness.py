@@ -77,7 +77,7 @@ def run_pipeline(rank: int, world: int, lib: str, schedule: str, n_layers: int, 
     opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], lr=lr)
     cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B}[schedule]
     sched = cls(stages if schedule == "interleaved" else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-    all_losses, grads = [], {}
+    all_losses, grads, first_output = [], {}, None
     for step, (x, y) in enumerate(batches(steps)):
         opt.zero_grad()
         losses = []
@@ -85,14 +85,17 @@ def run_pipeline(rank: int, world: int, lib: str, schedule: str, n_layers: int, 
         if num_stages - 1 in mine:
             kwargs = {"target": y, "losses": losses}
         args = (x,) if 0 in mine else ()
-        sched.step(*args, **kwargs)
+        merged = sched.step(*args, **kwargs)
+        if merged is not None and step == 0:
+            first_output = merged.detach()
         if step == 0:
             grads = {s: [p.grad.clone() for p in parts[s].parameters()] for s in mine}
         opt.step()
         if losses:
             all_losses.append([l.detach() for l in losses])
     params = {s: [p.detach().clone() for p in parts[s].parameters()] for s in mine}
-    out = {"grads": grads, "params": params, "losses": all_losses}
+    out = {"grads": grads, "params": params, "losses": all_losses, "output": first_output,
+           "order": {r: [str(a) if a is not None else "" for a in acts] for r, acts in sched.pipeline_order.items()}}
     if lib == "pydist":
         out["carrier"] = sched.p2p_carrier
         sched.close()
