@@ -264,6 +264,7 @@ class _PipelineSchedule:
         self._recording = False
         self._records: list[StageRecord] = []
         self._current: tuple[str, int, int, float] | None = None  # (action, stage, mb, monotonic start)
+        self._action_t0 = 0  # when the running action's compute began (after its receive), for its record
         self._watchdog: threading.Thread | None = None
         self.pipeline_order: dict[int, list] = {}
         self.execution_order: dict[int, list] = {}
@@ -429,7 +430,7 @@ class _PipelineSchedule:
             if kind in (_ComputationType.SEND_F, _ComputationType.RECV_F, _ComputationType.SEND_B,
                         _ComputationType.RECV_B):
                 continue  # the channels move the tensors; see the module docstring
-            t0 = time.monotonic_ns()
+            self._action_t0 = time.monotonic_ns()
             if kind == F:
                 self._current = ("forward", a.stage_index, mb, time.monotonic())
                 output = self._guard(stage, "forward", mb, lambda: stage.forward_one_chunk(
@@ -441,13 +442,13 @@ class _PipelineSchedule:
                         raise PipelineError(f"pydist.pipelining: the last stage's forwards must run in micro-batch "
                                             f"order; got {mb} after {len(self._internal_losses)} losses")
                     self._internal_losses.append(loss)
-                self._record(a.stage_index, "forward", mb, t0)
+                self._record(a.stage_index, "forward", mb, self._action_t0)
             elif kind == B:
                 self._current = ("backward", a.stage_index, mb, time.monotonic())
                 loss = self._internal_losses[mb] if stage.is_last else None
                 self._guard(stage, "backward", mb, lambda: stage.backward_one_chunk(
                     mb, loss=loss, last_backward=(mb == M - 1)))
-                self._record(a.stage_index, "backward", mb, t0)
+                self._record(a.stage_index, "backward", mb, self._action_t0)
             elif kind == REDUCE_GRAD:
                 pass  # done once every action ran, below
             else:
@@ -470,6 +471,7 @@ class _PipelineSchedule:
         current = self._current
         if current is not None:
             self._current = (current[0], current[1], current[2], time.monotonic())
+        self._action_t0 = time.monotonic_ns()  # a record times the compute, not the wait before it
 
     def _record(self, stage: int, action: str, mb: int, t0: int) -> None:
         if self._recording:

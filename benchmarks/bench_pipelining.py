@@ -1,0 +1,157 @@
+"""pydist.pipelining beside torch.distributed.pipelining: step time and
+bubble of GPipe, 1F1B and interleaved 1F1B on 2 CPU ranks.
+
+    python benchmarks/bench_pipelining.py [--rounds 5] [--steps 4] [--microbatches 8] [--json]
+
+Two models, each split layer by layer over the stages (2 stages on 2 ranks;
+4 stages, 2 per rank, for the interleaved schedule):
+
+    mlp          8 blocks Linear(1024, 1024) + GELU, batch 256
+    transformer  4 nn.TransformerEncoderLayer (d_model 256, 4 heads, ff 1024), batch 32 x 64 tokens
+
+Per model and schedule, pydist's and torch's schedules run in the same
+process tree, interleaved round by round (these machines swing between
+runs; only ratios within a run mean anything). A round is --steps steps
+after one untimed step; the step time is the median over rounds of the
+slower rank's mean step.
+
+bubble = 1 - compute / step, per rank, averaged over the ranks, where
+compute is the time the rank's stages take to run the same micro-batches'
+forwards and backwards alone (measured once per model, no pipeline): the
+same definition for both libraries, beside the ideal (S-1)/(M+S-1) with S
+the number of ranks (interleaving v stages per rank: (S-1)/(v M + S - 1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pydist.spawn import run_ranks
+
+
+def make_model(kind: str):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        blocks = [nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]
+        x = torch.randn(256, 1024)
+        y = torch.randn(256, 1024)
+    else:
+        blocks = [nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True) for _ in range(4)]
+        x = torch.randn(32, 64, 256)
+        y = torch.randn(32, 64, 256)
+    return blocks, x, y
+
+
+def loss_fn(out, target):
+    return nn.functional.mse_loss(out, target)
+
+
+def _parts(blocks, n):
+    per = len(blocks) // n
+    return [nn.Sequential(*blocks[i * per:(i + 1) * per]) for i in range(n)]
+
+
+def _compute_alone(parts, x, y, M) -> float:
+    """Seconds this rank's stages take for M micro-batches' forward and
+    backward, with stand-in inputs and output gradients of the right shapes."""
+    xs = list(torch.tensor_split(x, M))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for part in parts:
+            for xm in xs:
+                inp = xm.clone().requires_grad_(True)
+                out = part(inp)
+                out.backward(torch.ones_like(out))
+        best = min(best, time.perf_counter() - start)
+    for part in parts:
+        part.zero_grad()
+    return best
+
+
+def job(rank, world, kinds, schedules, rounds, steps, M):
+    results = {}
+    for kind in kinds:
+        blocks, x, y = make_model(kind)
+        for sched_name in schedules:
+            spr = 2 if sched_name == "interleaved" else 1
+            n = world * spr
+            if len(blocks) % n:
+                continue
+            mine = [s for s in range(n) if s % world == rank]
+            alone = _compute_alone([_parts(blocks, n)[s] for s in mine], x, y, M)
+            times = {"pydist": [], "torch": []}
+            for r in range(rounds):
+                for lib in (("pydist", "torch") if r % 2 == 0 else ("torch", "pydist")):
+                    if lib == "torch":
+                        from torch.distributed import pipelining as pp
+                    else:
+                        from pydist import pipelining as pp
+                    parts = _parts(make_model(kind)[0], n)
+                    stages = [pp.PipelineStage(parts[s], s, n, torch.device("cpu")) for s in mine]
+                    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B,
+                           "interleaved": pp.ScheduleInterleaved1F1B}[sched_name]
+                    sched = cls(stages if spr == 2 else stages[0], n_microbatches=M, loss_fn=loss_fn)
+                    args = (x,) if 0 in mine else ()
+                    kwargs = {"target": y} if n - 1 in mine else {}
+                    sched.step(*args, **kwargs)  # untimed: set-up, shapes
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        sched.step(*args, **kwargs)
+                    dist.barrier()
+                    times[lib].append((time.perf_counter() - start) / steps)
+                    if lib == "pydist":
+                        sched.close()
+            results[(kind, sched_name)] = {"alone": alone, "times": times, "ideal": (world - 1) / (spr * M + world - 1)}
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    per_rank = run_ranks(job, 2, args=(a.models.split(","), a.schedules.split(","), a.rounds, a.steps,
+                                       a.microbatches), timeout=1800)
+    rows = []
+    for key in per_rank[0]:
+        step = {lib: statistics.median(max(per_rank[r][key]["times"][lib][i] for r in range(2))
+                                       for i in range(a.rounds)) for lib in ("pydist", "torch")}
+        paired = statistics.median(max(per_rank[r][key]["times"]["pydist"][i] for r in range(2))
+                                   / max(per_rank[r][key]["times"]["torch"][i] for r in range(2))
+                                   for i in range(a.rounds))
+        bubble = {lib: sum(1 - per_rank[r][key]["alone"] / statistics.median(per_rank[r][key]["times"][lib])
+                           for r in range(2)) / 2 for lib in ("pydist", "torch")}
+        rows.append({"model": key[0], "schedule": key[1], "pydist_ms": step["pydist"] * 1e3,
+                     "torch_ms": step["torch"] * 1e3, "paired_ratio": paired, "pydist_bubble": bubble["pydist"],
+                     "torch_bubble": bubble["torch"], "ideal_bubble": per_rank[0][key]["ideal"]})
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"2 ranks, {a.microbatches} micro-batches, {a.rounds} rounds x {a.steps} steps (medians)")
+    print(f"{'model':<12} {'schedule':<12} {'pydist ms':>10} {'torch ms':>10} {'paired':>7} {'bubble pydist':>14} "
+          f"{'bubble torch':>13} {'ideal':>6}")
+    for r in rows:
+        print(f"{r['model']:<12} {r['schedule']:<12} {r['pydist_ms']:>10.1f} {r['torch_ms']:>10.1f} "
+              f"{r['paired_ratio']:>7.2f} {r['pydist_bubble']:>14.2f} {r['torch_bubble']:>13.2f} "
+              f"{r['ideal_bubble']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
