@@ -51,6 +51,7 @@ gradients are ready.
 
 from __future__ import annotations
 
+import collections
 import csv
 import enum
 import os
@@ -64,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from pydist.overlap import hooks as overlap_hooks  # [overlap hook] PYDIST_TRACE records the stages
 from pydist.pipelining import _p2p
 from pydist.pipelining.stage import PipelineStage, StageState
 
@@ -73,6 +75,8 @@ __all__ = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "Pipeline
 
 # Exit code of a process the stall watchdog ends (see [Note: nothing hangs]).
 kStallExitCode = 86
+# Records a schedule keeps (the newest): about 2 per action and transfer, so hundreds of steps.
+kRecordsKept = 100_000
 
 
 class PipelineError(RuntimeError):
@@ -260,14 +264,15 @@ class _PipelineSchedule:
         self._internal_losses: list[torch.Tensor] = []
         self._channels: dict | None = None  # opened at the first step (collective over the group)
         self.p2p_carrier: str | None = None  # "shm", "process_group" or "local", once opened
-        # Records (see StageRecord): kept when set_record_timing(True), the last `_keep` steps' worth.
+        # Records (see StageRecord): kept when set_record_timing(True), the newest kRecordsKept.
         self._recording = False
-        self._records: list[StageRecord] = []
+        self._records: collections.deque[StageRecord] = collections.deque(maxlen=kRecordsKept)
         self._current: tuple[str, int, int, float] | None = None  # (action, stage, mb, monotonic start)
         self._action_t0 = 0  # when the running action's compute began (after its receive), for its record
         self._watchdog: threading.Thread | None = None
         self.pipeline_order: dict[int, list] = {}
         self.execution_order: dict[int, list] = {}
+        overlap_hooks.attach_pipeline(self)  # [overlap hook] PYDIST_TRACE
 
     # --- records -----------------------------------------------------------------
     def set_record_timing(self, on: bool = True) -> None:

@@ -201,3 +201,38 @@ def reference_2d(n_layers: int, n_microbatches: int, steps: int, lr: float = 0.1
         opt.step()
         losses.append(step_losses)
     return {"losses": losses, "grads": grads, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def lab_job(rank: int, world: int, csv_dir: str):
+    """Records, the trace and torch's CSV form on one 2-rank pipeline."""
+    from pydist import pipelining as pp
+
+    out = {}
+    parts = split(make_layers(4), 2)
+    stage = pp.PipelineStage(parts[rank], rank, 2, torch.device("cpu"))
+    sched = pp.Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+    (x, y), = batches(1)
+    args, kwargs = ((x,), {}) if rank == 0 else ((), {"target": y})
+    sched.step(*args, **kwargs)
+    out["records"] = sched.records()  # PYDIST_TRACE turned recording on
+    out["carrier"] = sched.p2p_carrier
+    # torch's CSV form: write the running order, replay it (and a GPipe order written by hand) in new schedules
+    path = f"{csv_dir}/1f1b.csv"
+    if rank == 0:
+        sched._dump_csv(path, format="compute_comms")
+    dist.barrier()
+    out["csv"] = open(path).read()
+    sched.close()
+    grads = {}
+    for name, source in (("replayed", path), ("gpipe_by_hand", f"{csv_dir}/gpipe.csv")):
+        parts = split(make_layers(4), 2)
+        stage = pp.PipelineStage(parts[rank], rank, 2, torch.device("cpu"))
+        replay = pp.Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+        replay._load_csv(source, format="compute_comms" if name == "replayed" else "compute_only")
+        replay.clear_records()
+        replay.step(*args, **kwargs)
+        out[name + "_order"] = [(r.action, r.microbatch) for r in replay.records() if r.action in ("forward", "backward")]
+        grads[name] = [p.grad.clone() for p in parts[rank].parameters()]
+        replay.close()
+    out["grads"] = grads
+    return out
