@@ -234,5 +234,20 @@ def lab_job(rank: int, world: int, csv_dir: str):
         out[name + "_order"] = [(r.action, r.microbatch) for r in replay.records() if r.action in ("forward", "backward")]
         grads[name] = [p.grad.clone() for p in parts[rank].parameters()]
         replay.close()
+    # PYDIST_SIM_NET: every message held for the link's time (latency + bytes / bandwidth); the bits unchanged
+    import os
+    import time
+
+    os.environ["PYDIST_SIM_NET"] = "100Gbps,20ms"
+    parts = split(make_layers(4), 2)
+    stage = pp.PipelineStage(parts[rank], rank, 2, torch.device("cpu"))
+    slow = pp.ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
+    dist.barrier()
+    start = time.perf_counter()
+    slow.step(*args, **kwargs)
+    out["sim_net_step_s"] = time.perf_counter() - start
+    grads["sim_net"] = [p.grad.clone() for p in parts[rank].parameters()]
+    slow.close()
+    del os.environ["PYDIST_SIM_NET"]
     out["grads"] = grads
     return out

@@ -2,7 +2,8 @@
 backward, send and receive on one clock per rank, in the rank's trace file
 (python -m pydist.overlap merge puts the ranks side by side); schedules
 written and read as torch's CSV action lists, and a list replayed (or
-written by hand) runs as written, with the same gradients."""
+written by hand) runs as written, with the same gradients; PYDIST_SIM_NET
+delays every message by the simulated link's time and changes no bit."""
 
 import json
 import os
@@ -55,4 +56,10 @@ def test_records_trace_and_csv_replay(tmp_path, monkeypatch):
     for out in results:
         assert out["gpipe_by_hand_order"] == [("forward", i) for i in range(4)] + [("backward", i) for i in range(4)]
         for a, b in zip(out["grads"]["replayed"], out["grads"]["gpipe_by_hand"]):
+            assert torch.equal(a, b)
+    # over a simulated 20 ms link: GPipe's 4 activations, then its 4 gradients, one after another on
+    # each channel's thread: rank 0 ends >= 8 x 20 ms after it starts; the bits unchanged
+    assert results[0]["sim_net_step_s"] >= 0.16, results[0]["sim_net_step_s"]
+    for out in results:
+        for a, b in zip(out["grads"]["replayed"], out["grads"]["sim_net"]):
             assert torch.equal(a, b)
