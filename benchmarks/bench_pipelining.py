@@ -17,7 +17,8 @@ slower rank's mean step.
 
 bubble = 1 - compute / step, per rank, averaged over the ranks, where
 compute is the time the rank's stages take to run the same micro-batches'
-forwards and backwards alone (measured once per model, no pipeline): the
+forwards and backwards alone (no pipeline; measured in every round, best
+of 3, as the machine's speed drifts; median over rounds): the
 same definition for both libraries, beside the ideal (S-1)/(M+S-1) with S
 the number of ranks (interleaving v stages per rank: (S-1)/(v M + S - 1)).
 """
@@ -90,9 +91,11 @@ def job(rank, world, kinds, schedules, rounds, steps, M):
             if len(blocks) % n:
                 continue
             mine = [s for s in range(n) if s % world == rank]
-            alone = _compute_alone([_parts(blocks, n)[s] for s in mine], x, y, M)
+            alone_parts = [_parts(blocks, n)[s] for s in mine]
             times = {"pydist": [], "torch": []}
+            alone = []
             for r in range(rounds):
+                alone.append(_compute_alone(alone_parts, x, y, M))  # each round: the machine's speed drifts
                 for lib in (("pydist", "torch") if r % 2 == 0 else ("torch", "pydist")):
                     if lib == "torch":
                         from torch.distributed import pipelining as pp
@@ -136,7 +139,9 @@ def main():
         paired = statistics.median(max(per_rank[r][key]["times"]["pydist"][i] for r in range(2))
                                    / max(per_rank[r][key]["times"]["torch"][i] for r in range(2))
                                    for i in range(a.rounds))
-        bubble = {lib: sum(1 - per_rank[r][key]["alone"] / statistics.median(per_rank[r][key]["times"][lib])
+        # per rank and round: 1 - compute alone / step; median over rounds, mean over ranks
+        bubble = {lib: sum(statistics.median(1 - a / t for a, t in zip(per_rank[r][key]["alone"],
+                                                                         per_rank[r][key]["times"][lib]))
                            for r in range(2)) / 2 for lib in ("pydist", "torch")}
         rows.append({"model": key[0], "schedule": key[1], "pydist_ms": step["pydist"] * 1e3,
                      "torch_ms": step["torch"] * 1e3, "paired_ratio": paired, "pydist_bubble": bubble["pydist"],

@@ -40,13 +40,15 @@ schedule to continue.
 
 [Note: data parallel stages]
 A stage wrapped by DDP (pydist's or torch's) accumulates micro-batch
-gradients without syncing and reduces once, in the last micro-batch's
-backward (torch's stage does the same with torch's DDP). A pydist DDP stage
-arms its reducer for that backward, so its buckets all-reduce as they fill
-during the 1F1B cool-down's last backward; ``perform_reduce_grad`` then
-waits for them. A ``pydist.fully_shard`` stage skips the reduce-scatter in
-every backward but the last, in which each unit reduce-scatters as its
-gradients are ready.
+gradients without syncing (its forwards and all backwards but the last run
+under ``no_sync``) and reduces once: the stage arms the reducer for the last
+micro-batch's backward, whose buckets all-reduce as they fill and are
+written back when autograd ends (torch's stage does the same with torch's
+DDP). A ``pydist.fully_shard`` stage skips the reduce-scatter in every
+backward but the last, in which each unit reduce-scatters as its gradients
+are ready, during the 1F1B cool-down rather than after it (torch's stage runs
+a fully_shard'ed module's post-backward once the last backward is done).
+``perform_reduce_grad`` then only divides by n_microbatches.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, NamedTuple
 
@@ -269,7 +272,8 @@ class _PipelineSchedule:
         self._records: collections.deque[StageRecord] = collections.deque(maxlen=kRecordsKept)
         self._current: tuple[str, int, int, float] | None = None  # (action, stage, mb, monotonic start)
         self._action_t0 = 0  # when the running action's compute began (after its receive), for its record
-        self._watchdog: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None  # the stall watchdog, from the first step to close()
+        self._watch_stop: threading.Event | None = None
         self.pipeline_order: dict[int, list] = {}
         self.execution_order: dict[int, list] = {}
         overlap_hooks.attach_pipeline(self)  # [overlap hook] PYDIST_TRACE
@@ -311,6 +315,7 @@ class _PipelineSchedule:
 
     def close(self) -> None:
         """Closes the channels (every rank should); the stages can be given to a new schedule."""
+        self._stop_watchdog()
         for ch in (self._channels or {}).values():
             ch.close()
         self._channels = None
@@ -333,6 +338,9 @@ class _PipelineSchedule:
             return self._run_step(args, kwargs, target, losses, True, None, backward=False)
 
     def _run_step(self, args, kwargs, target, losses, return_outputs, loss_kwargs, backward: bool):
+        if backward and target is None and any(s.is_last for s in self._stages):
+            raise ValueError(f"{type(self).__name__}.step on rank {self._rank}: this rank holds the last stage, "
+                             f"whose loss_fn needs target=")
         self._ensure_channels()
         for s in self._stages:
             s.has_backward = backward
@@ -509,27 +517,39 @@ class _PipelineSchedule:
         for ch in channels.values():
             ch.close(wait_s=2.0)
         self._channels = None
+        self._stop_watchdog()
 
     def _start_watchdog(self) -> None:
+        """The stall watchdog of [Note: nothing hangs]: one thread per
+        schedule, until ``close`` (or a failure); it holds the schedule weakly."""
         if self._watchdog is not None and self._watchdog.is_alive():
             return
         timeout = self._stages[0].timeout_s
+        stop = self._watch_stop = threading.Event()
+        me = weakref.ref(self)
 
         def watch():
-            while True:
-                time.sleep(min(0.5, timeout / 4))
-                current = self._current
+            while not stop.wait(min(0.5, timeout / 4)):
+                schedule = me()
+                if schedule is None:
+                    return
+                current, rank = schedule._current, schedule._rank
+                del schedule
                 if current is None or current[0] == "flush" or current[3] is None:
                     continue  # between steps, or waiting on a channel (bounded by its own timeout)
                 action, stage, mb, start = current
                 if time.monotonic() - start > timeout:
-                    print(f"pydist.pipelining: stage {stage} (rank {self._rank}) stalled in its {action} of "
+                    print(f"pydist.pipelining: stage {stage} (rank {rank}) stalled in its {action} of "
                           f"micro-batch {mb} for more than {timeout:g}s; ending the process (exit code "
                           f"{kStallExitCode}) so that no rank waits on it", file=sys.stderr, flush=True)
                     os._exit(kStallExitCode)
 
         self._watchdog = threading.Thread(target=watch, daemon=True, name="pydist-pp-watchdog")
         self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        if self._watch_stop is not None:
+            self._watch_stop.set()
 
     # --- torch's CSV form ----------------------------------------------------------
     def _dump_csv(self, filename: str, format: str = "compute_only") -> None:

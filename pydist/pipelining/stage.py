@@ -211,13 +211,9 @@ class PipelineStage:
                     t.detach_()
 
     def _backward(self, roots: list, grads: list, last_backward: bool) -> None:
-        """``torch.autograd.backward``; a pydist DDP stage syncs its
-        gradients in the last micro-batch's backward (see [Note: data
-        parallel stages] in schedules.py)."""
-        hook = getattr(self.submod, "_pipeline_backward", None)
-        if hook is not None:
-            hook(roots, grads, last_backward)
-            return
+        """``torch.autograd.backward``; a DDP or fully_shard'ed stage
+        reduces its gradients in the last micro-batch's backward only (see
+        [Note: data parallel stages] in schedules.py)."""
         if isinstance(self.submod, nn.parallel.DistributedDataParallel):
             if last_backward:
                 self.submod.reducer.prepare_for_backward(
@@ -241,9 +237,8 @@ class PipelineStage:
                     p.grad.div_(grad_scale_factor)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        """Once per step, after every backward: finishes a data-parallel
-        wrapper's reduction, then scales the gradients."""
-        finish = getattr(self.submod, "_pipeline_finish_backward", None)
-        if finish is not None:
-            finish()
+        """Once per step, after every backward: scales the gradients. A
+        data-parallel wrapper has reduced them already, in the last
+        micro-batch's backward (see [Note: data parallel stages] in
+        schedules.py), so they are scaled after the reduction, as torch's are."""
         self.scale_grads(grad_scale_factor)
