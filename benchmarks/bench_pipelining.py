@@ -15,12 +15,16 @@ runs; only ratios within a run mean anything). A round is --steps steps
 after one untimed step; the step time is the median over rounds of the
 slower rank's mean step.
 
-bubble = 1 - compute / step, per rank, averaged over the ranks, where
-compute is the time the rank's stages take to run the same micro-batches'
-forwards and backwards alone (no pipeline; measured in every round, best
-of 3, as the machine's speed drifts; median over rounds): the
-same definition for both libraries, beside the ideal (S-1)/(M+S-1) with S
-the number of ranks (interleaving v stages per rank: (S-1)/(v M + S - 1)).
+bubble = 1 - compute / step, per rank, within the same timed steps: compute
+is the time the rank spent in its stages' forwards and backwards (pydist:
+the schedule's records, which start once the input has arrived; torch: its
+stages' forward_one_chunk / backward_one_chunk, timed by wrapping them, which
+torch's schedules call once the input has arrived), step the wall time of
+the steps. Median over rounds, mean over the ranks, beside the ideal
+(S-1)/(M+S-1), S the number of ranks (interleaving v stages per rank:
+(S-1)/(v M + S - 1)). Compute and step are read in the same window on the
+same clock, so a machine slowed by other work slows both; step times are
+only comparable within a run.
 """
 
 from __future__ import annotations
@@ -63,22 +67,24 @@ def _parts(blocks, n):
     return [nn.Sequential(*blocks[i * per:(i + 1) * per]) for i in range(n)]
 
 
-def _compute_alone(parts, x, y, M) -> float:
-    """Seconds this rank's stages take for M micro-batches' forward and
-    backward, with stand-in inputs and output gradients of the right shapes."""
-    xs = list(torch.tensor_split(x, M))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for part in parts:
-            for xm in xs:
-                inp = xm.clone().requires_grad_(True)
-                out = part(inp)
-                out.backward(torch.ones_like(out))
-        best = min(best, time.perf_counter() - start)
-    for part in parts:
-        part.zero_grad()
-    return best
+class _ComputeTimer:
+    """Seconds a torch stage spends in forward_one_chunk / backward_one_chunk
+    (torch's schedules call them once the input has arrived)."""
+
+    def __init__(self, stages):
+        self.seconds = 0.0
+        for st in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk"):
+                setattr(st, name, self._timed(getattr(st, name)))
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return run
 
 
 def job(rank, world, kinds, schedules, rounds, steps, M):
@@ -91,11 +97,9 @@ def job(rank, world, kinds, schedules, rounds, steps, M):
             if len(blocks) % n:
                 continue
             mine = [s for s in range(n) if s % world == rank]
-            alone_parts = [_parts(blocks, n)[s] for s in mine]
             times = {"pydist": [], "torch": []}
-            alone = []
+            busy = {"pydist": [], "torch": []}
             for r in range(rounds):
-                alone.append(_compute_alone(alone_parts, x, y, M))  # each round: the machine's speed drifts
                 for lib in (("pydist", "torch") if r % 2 == 0 else ("torch", "pydist")):
                     if lib == "torch":
                         from torch.distributed import pipelining as pp
@@ -109,15 +113,23 @@ def job(rank, world, kinds, schedules, rounds, steps, M):
                     args = (x,) if 0 in mine else ()
                     kwargs = {"target": y} if n - 1 in mine else {}
                     sched.step(*args, **kwargs)  # untimed: set-up, shapes
+                    timer = _ComputeTimer(stages) if lib == "torch" else None
+                    if lib == "pydist":
+                        sched.set_record_timing(True)
                     dist.barrier()
                     start = time.perf_counter()
                     for _ in range(steps):
                         sched.step(*args, **kwargs)
+                    elapsed = time.perf_counter() - start
                     dist.barrier()
-                    times[lib].append((time.perf_counter() - start) / steps)
+                    times[lib].append(elapsed / steps)
                     if lib == "pydist":
+                        busy[lib].append(sum(rec.end_ns - rec.start_ns for rec in sched.records()
+                                             if rec.action in ("forward", "backward")) / 1e9 / steps)
                         sched.close()
-            results[(kind, sched_name)] = {"alone": alone, "times": times, "ideal": (world - 1) / (spr * M + world - 1)}
+                    else:
+                        busy[lib].append(timer.seconds / steps)
+            results[(kind, sched_name)] = {"busy": busy, "times": times, "ideal": (world - 1) / (spr * M + world - 1)}
     return results
 
 
@@ -139,8 +151,8 @@ def main():
         paired = statistics.median(max(per_rank[r][key]["times"]["pydist"][i] for r in range(2))
                                    / max(per_rank[r][key]["times"]["torch"][i] for r in range(2))
                                    for i in range(a.rounds))
-        # per rank and round: 1 - compute alone / step; median over rounds, mean over ranks
-        bubble = {lib: sum(statistics.median(1 - a / t for a, t in zip(per_rank[r][key]["alone"],
+        # per rank and round: 1 - compute / step in the same steps; median over rounds, mean over ranks
+        bubble = {lib: sum(statistics.median(1 - c / t for c, t in zip(per_rank[r][key]["busy"][lib],
                                                                          per_rank[r][key]["times"][lib]))
                            for r in range(2)) / 2 for lib in ("pydist", "torch")}
         rows.append({"model": key[0], "schedule": key[1], "pydist_ms": step["pydist"] * 1e3,
