@@ -102,12 +102,25 @@ def run_pipeline(rank: int, world: int, lib: str, schedule: str, n_layers: int, 
     return out
 
 
-def compare_job(rank: int, world: int, cases: list[tuple], n_layers: int, n_microbatches: int, steps: int):
-    """Every case (lib, schedule, stages_per_rank, p2p) in one job; results in case order."""
+def compare_job(rank: int, world: int, cases: list[tuple], n_layers: int, n_microbatches: int, steps: int,
+                then_raise_at: int | None = None):
+    """Every case (lib, schedule, stages_per_rank, p2p) in one job; results
+    in case order. With ``then_raise_at``, one more pipeline (GPipe, shared
+    memory) whose stage ``then_raise_at`` raises in its second forward: the
+    last entry is what this rank raised (the processes survive a raise, so
+    the same job can check it)."""
     results = []
     for lib, schedule, spr, p2p in cases:
         results.append(run_pipeline(rank, world, lib, schedule, n_layers, spr, n_microbatches, steps, p2p=p2p))
         dist.barrier()
+    if then_raise_at is not None:
+        import pp_failures
+
+        try:
+            pp_failures.faulty_job(rank, world, [(list(range(world)), "shm")], "gpipe", then_raise_at, "raise", 10.0)
+            results.append("finished")
+        except Exception as exc:
+            results.append(f"{type(exc).__name__}: {exc}")
     return results
 
 

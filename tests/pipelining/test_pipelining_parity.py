@@ -64,10 +64,16 @@ def test_two_ranks_bitwise_with_torch_and_reference():
 
 
 @pytest.mark.timeout(150)
-def test_four_ranks_bitwise_with_torch_and_reference():
+def test_four_ranks_bitwise_with_torch_and_reference_then_a_raising_stage_ends_all_four():
     # 8 stages for the interleaved schedule: one layer each.
     cases = [("torch", "1f1b", 1, None), ("pydist", "1f1b", 1, "shm"), ("pydist", "gpipe", 1, "process_group"),
              ("pydist", "interleaved", 2, "shm")]
-    results = run_ranks(h.compare_job, 4, args=(cases, N_LAYERS, M, STEPS), timeout=130)
+    results = run_ranks(h.compare_job, 4, args=(cases, N_LAYERS, M, STEPS, 2), timeout=130)
     torch_runs = {c[1]: i for i, c in enumerate(cases) if c[0] == "torch"}
     _check(results, cases, 4, h.reference(N_LAYERS, M, STEPS), torch_runs)
+    # then stage 2 of 4 raises (see tests/pipelining/test_pipelining_failures.py): every rank ends naming it,
+    # the first and last through two abort hops each
+    for rank in range(4):
+        message = results[rank][-1]
+        assert message != "finished" and "stage 2" in message, (rank, message)
+    assert "raised in its forward of micro-batch 1" in results[2][-1]
