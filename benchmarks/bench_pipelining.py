@@ -9,7 +9,8 @@ Two models, each split layer by layer over the stages (2 stages on 2 ranks;
     mlp          8 blocks Linear(1024, 1024) + GELU, batch 256
     transformer  4 nn.TransformerEncoderLayer (d_model 256, 4 heads, ff 1024), batch 32 x 64 tokens
 
-Per model and schedule, pydist's and torch's schedules run in the same
+Per model and schedule, pydist's schedules (over shared memory, its default
+on one host, and over the gloo group, as torch's) and torch's run in the same
 process tree, interleaved round by round (these machines swing between
 runs; only ratios within a run mean anything). A round is --steps steps
 after one untimed step; the step time is the median over rounds of the
@@ -58,6 +59,10 @@ def make_model(kind: str):
     return blocks, x, y
 
 
+# pydist over shared memory (its default on one host), pydist over the gloo group (as torch), torch.
+LIBS = ("pydist", "pydist_pg", "torch")
+
+
 def loss_fn(out, target):
     return nn.functional.mse_loss(out, target)
 
@@ -97,16 +102,18 @@ def job(rank, world, kinds, schedules, rounds, steps, M):
             if len(blocks) % n:
                 continue
             mine = [s for s in range(n) if s % world == rank]
-            times = {"pydist": [], "torch": []}
-            busy = {"pydist": [], "torch": []}
+            times = {lib: [] for lib in LIBS}
+            busy = {lib: [] for lib in LIBS}
             for r in range(rounds):
-                for lib in (("pydist", "torch") if r % 2 == 0 else ("torch", "pydist")):
+                for lib in (LIBS if r % 2 == 0 else LIBS[::-1]):
                     if lib == "torch":
                         from torch.distributed import pipelining as pp
+                        extra = {}
                     else:
                         from pydist import pipelining as pp
+                        extra = {"p2p": "process_group" if lib == "pydist_pg" else None}
                     parts = _parts(make_model(kind)[0], n)
-                    stages = [pp.PipelineStage(parts[s], s, n, torch.device("cpu")) for s in mine]
+                    stages = [pp.PipelineStage(parts[s], s, n, torch.device("cpu"), **extra) for s in mine]
                     cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B,
                            "interleaved": pp.ScheduleInterleaved1F1B}[sched_name]
                     sched = cls(stages if spr == 2 else stages[0], n_microbatches=M, loss_fn=loss_fn)
@@ -114,7 +121,7 @@ def job(rank, world, kinds, schedules, rounds, steps, M):
                     kwargs = {"target": y} if n - 1 in mine else {}
                     sched.step(*args, **kwargs)  # untimed: set-up, shapes
                     timer = _ComputeTimer(stages) if lib == "torch" else None
-                    if lib == "pydist":
+                    if lib != "torch":
                         sched.set_record_timing(True)
                     dist.barrier()
                     start = time.perf_counter()
@@ -123,7 +130,7 @@ def job(rank, world, kinds, schedules, rounds, steps, M):
                     elapsed = time.perf_counter() - start
                     dist.barrier()
                     times[lib].append(elapsed / steps)
-                    if lib == "pydist":
+                    if lib != "torch":
                         busy[lib].append(sum(rec.end_ns - rec.start_ns for rec in sched.records()
                                              if rec.action in ("forward", "backward")) / 1e9 / steps)
                         sched.close()
@@ -147,26 +154,32 @@ def main():
     rows = []
     for key in per_rank[0]:
         step = {lib: statistics.median(max(per_rank[r][key]["times"][lib][i] for r in range(2))
-                                       for i in range(a.rounds)) for lib in ("pydist", "torch")}
-        paired = statistics.median(max(per_rank[r][key]["times"]["pydist"][i] for r in range(2))
-                                   / max(per_rank[r][key]["times"]["torch"][i] for r in range(2))
-                                   for i in range(a.rounds))
+                                       for i in range(a.rounds)) for lib in LIBS}
+
+        def paired(lib):  # median over rounds of lib / torch within the round
+            return statistics.median(max(per_rank[r][key]["times"][lib][i] for r in range(2))
+                                     / max(per_rank[r][key]["times"]["torch"][i] for r in range(2))
+                                     for i in range(a.rounds))
         # per rank and round: 1 - compute / step in the same steps; median over rounds, mean over ranks
         bubble = {lib: sum(statistics.median(1 - c / t for c, t in zip(per_rank[r][key]["busy"][lib],
                                                                          per_rank[r][key]["times"][lib]))
-                           for r in range(2)) / 2 for lib in ("pydist", "torch")}
+                           for r in range(2)) / 2 for lib in LIBS}
         rows.append({"model": key[0], "schedule": key[1], "pydist_ms": step["pydist"] * 1e3,
-                     "torch_ms": step["torch"] * 1e3, "paired_ratio": paired, "pydist_bubble": bubble["pydist"],
+                     "pydist_pg_ms": step["pydist_pg"] * 1e3, "torch_ms": step["torch"] * 1e3,
+                     "paired_ratio": paired("pydist"), "paired_ratio_pg": paired("pydist_pg"),
+                     "pydist_bubble": bubble["pydist"], "pydist_pg_bubble": bubble["pydist_pg"],
                      "torch_bubble": bubble["torch"], "ideal_bubble": per_rank[0][key]["ideal"]})
     if a.json:
         print(json.dumps(rows, indent=1))
         return
     print(f"2 ranks, {a.microbatches} micro-batches, {a.rounds} rounds x {a.steps} steps (medians)")
-    print(f"{'model':<12} {'schedule':<12} {'pydist ms':>10} {'torch ms':>10} {'paired':>7} {'bubble pydist':>14} "
-          f"{'bubble torch':>13} {'ideal':>6}")
+    print("step ms: median; /torch: median over rounds of the ratio within a round; bubble: 1 - compute/step")
+    print(f"{'model':<12} {'schedule':<12} {'pydist shm':>10} {'pydist pg':>10} {'torch':>8} {'shm/torch':>9} "
+          f"{'pg/torch':>8} {'bubble shm':>10} {'bubble pg':>9} {'bubble torch':>12} {'ideal':>6}")
     for r in rows:
-        print(f"{r['model']:<12} {r['schedule']:<12} {r['pydist_ms']:>10.1f} {r['torch_ms']:>10.1f} "
-              f"{r['paired_ratio']:>7.2f} {r['pydist_bubble']:>14.2f} {r['torch_bubble']:>13.2f} "
+        print(f"{r['model']:<12} {r['schedule']:<12} {r['pydist_ms']:>10.1f} {r['pydist_pg_ms']:>10.1f} "
+              f"{r['torch_ms']:>8.1f} {r['paired_ratio']:>9.2f} {r['paired_ratio_pg']:>8.2f} "
+              f"{r['pydist_bubble']:>10.2f} {r['pydist_pg_bubble']:>9.2f} {r['torch_bubble']:>12.2f} "
               f"{r['ideal_bubble']:>6.2f}")
 
 
