@@ -322,13 +322,15 @@ class Channel:
         self._submit(lambda: self._link.send(header, torch.empty(0, dtype=torch.uint8)), abort=True)
 
     def close(self, wait_s: float = 1.0) -> None:
-        """Stops this end's thread (after at most ``wait_s`` of pending work) and drops the link."""
+        """Stops this end's thread and drops the link. A sending end first
+        gives its queued sends (an abort among them) at most ``wait_s``; a
+        receiving end's pending receives are dropped."""
         if self._closed:
             return
         self._closed = True
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join(wait_s)
+            self._thread.join(wait_s if self.sending else 0.0)
         if self._link is not None:
             self._link.close()
 

@@ -515,7 +515,7 @@ class _PipelineSchedule:
             except Exception:
                 pass
         for ch in channels.values():
-            ch.close(wait_s=2.0)
+            ch.close(wait_s=min(5.0, self._stages[0].timeout_s))  # time for the abort to go out
         self._channels = None
         self._stop_watchdog()
 
