@@ -18,8 +18,6 @@ import torch.nn as nn
 import pp_harness as h
 
 
-class Outcome(tuple):
-    pass
 
 
 def _rank_main(fn, rank, world, args, store, timeout_s, results):

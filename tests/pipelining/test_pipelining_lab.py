@@ -6,7 +6,6 @@ written by hand) runs as written, with the same gradients; PYDIST_SIM_NET
 delays every message by the simulated link's time and changes no bit."""
 
 import json
-import os
 
 import pytest
 import torch
