@@ -2,6 +2,8 @@
 marked hooks, so that environment variables change an unchanged script.
 
     transport_for(ddp, transport)   building the reducer: PYDIST_SIM_NET / sim_net=
+    p2p_delay()                     pipeline channels: PYDIST_SIM_NET (pydist/pipelining)
+    attach_pipeline(schedule)       a pipeline schedule is built: PYDIST_TRACE
     reducer_made(ddp, reducer)      after it is built: PYDIST_REPLAY
     attach(ddp)                     end of __init__: PYDIST_TRACE, overlap.record()
 
@@ -18,7 +20,7 @@ import sys
 from pydist.overlap import network, plans, recording
 from pydist.overlap import trace as trace_module
 
-__all__ = ["transport_for", "reducer_made", "attach", "TraceSession"]
+__all__ = ["transport_for", "p2p_delay", "attach_pipeline", "reducer_made", "attach", "TraceSession"]
 
 
 def transport_for(ddp, transport):
@@ -33,6 +35,18 @@ def transport_for(ddp, transport):
 
     inner = transport if transport is not None else transports.ProcessGroupTransport(ddp.process_group)
     return network.sim_net(inner, link)
+
+
+def p2p_delay():
+    """For pipeline stages' point-to-point messages: a function of the
+    payload's bytes giving the seconds the PYDIST_SIM_NET link takes to
+    carry it (its latency plus bytes / bandwidth: a one-hop transfer, what
+    ``network.model_seconds`` gives a two-rank all-gather of twice the
+    bytes), or None when the variable is unset."""
+    link = network.link_from_env()
+    if link is None:
+        return None
+    return lambda nbytes: link.latency_s + nbytes * 8 / link.bandwidth_bps
 
 
 def reducer_made(ddp, reducer) -> None:
@@ -53,6 +67,14 @@ def attach(ddp) -> None:
         plans.record_plan_at_exit(ddp, record_path)
 
 
+def attach_pipeline(schedule) -> None:
+    """PYDIST_TRACE=DIR: the schedule records its stages' forwards,
+    backwards, sends and receives, which go into this rank's trace."""
+    directory = os.environ.get(trace_module.ENV, "").strip()
+    if directory:
+        TraceSession.get(directory).add_pipeline(schedule)
+
+
 class TraceSession:
     """This process's trace: the wrappers it follows and when it writes
     ``DIR/rank{R}.json`` (process group destroyed, exit, uncaught exception)."""
@@ -71,6 +93,7 @@ class TraceSession:
         self.directory = directory
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.logs: dict[int, recording.StepLog] = {}
+        self.pipelines: list = []  # pipeline schedules whose StageRecords go into the trace
         atexit.register(self.write)
         self._wrap_destroy_process_group()
         self._wrap_excepthook()
@@ -83,11 +106,17 @@ class TraceSession:
         recording.record(ddp, keep=recording.DEFAULT_KEEP)
         self.logs[number] = recording._log_of(ddp)
 
+    def add_pipeline(self, schedule) -> None:
+        schedule.set_record_timing(True)
+        self.pipelines.append(schedule)
+
     def write(self) -> None:
         """Whatever was recorded so far, replacing the previous file."""
         for log in self.logs.values():
             log.drain()
-        document = trace_module.trace_document({n: list(log.records) for n, log in self.logs.items()}, self.rank)
+        stage_records = [r for s in self.pipelines for r in s.records()]
+        document = trace_module.trace_document({n: list(log.records) for n, log in self.logs.items()}, self.rank,
+                                               stage_records=stage_records)
         try:
             trace_module.write_trace(self.path, document)
         except OSError as exc:

@@ -18,6 +18,11 @@ before pydist aborts the job, and ranks the abort kills write none). One trace p
     10+b  bucket b      its communication, launch to completion; its chunks as
                         async slices (they may overlap each other)
 
+A pipeline schedule's records (pydist.pipelining, StageRecord) add three
+tracks per stage s, tid = TRACK_STAGE0 + 10 s + k: k = 0 its forwards,
+backwards and end-of-step gradient work ("F3", "B3", "reduce_grad"), 1 its
+sends, 2 its receives (each on its channel's thread, "send F3 -> stage 2").
+
 Times are microseconds on the steady clock (time.monotonic_ns), the
 reducer's. Each event's args carry the step, bucket, bytes and the exposed
 and hidden milliseconds of [Note: exposed communication]; the report reads
@@ -42,6 +47,7 @@ ENV = "PYDIST_TRACE"
 FORMAT = "pydist.overlap/1"
 TRACK_STEPS, TRACK_BACKWARD, TRACK_GRADS, TRACK_EXPOSED, TRACK_WRITE_BACK = 0, 1, 2, 3, 4
 TRACK_BUCKET0 = 10
+TRACK_STAGE0 = 900_000  # pipeline stages' tracks; see the module docstring
 _TRACKS_PER_WRAPPER = 1000
 _TRACK_NAMES = {
     TRACK_STEPS: "steps",
@@ -122,10 +128,34 @@ def _metadata(rank: int, wrappers: Iterable[int], buckets: dict[int, int]) -> li
     return events
 
 
-def trace_document(logs: dict[int, list], rank: int) -> dict:
+def stage_events(records, rank: int) -> list[dict]:
+    """Slices and track names of pipeline StageRecords (see the module docstring)."""
+    events, tracks = [], {}
+    letter = {"forward": "F", "backward": "B"}
+    for r in records:
+        kind = {"send": 1, "recv": 2}.get(r.action, 0)
+        tid = TRACK_STAGE0 + 10 * r.stage + kind
+        tracks[tid] = f"stage {r.stage} " + ("compute", "sends", "receives")[kind]
+        if r.action in letter:
+            name = f"{letter[r.action]}{r.microbatch}"
+        elif r.action == "reduce_grad":
+            name = "reduce_grad"
+        else:
+            moved = "F" if (r.peer > r.stage) == (r.action == "send") else "B"
+            name = f"{r.action} {moved}{r.microbatch} {'->' if r.action == 'send' else '<-'} stage {r.peer}"
+        events.append(_slice(name, "pipeline", rank, tid, r.start_ns / 1e3, r.end_ns / 1e3,
+                             {"stage": r.stage, "microbatch": r.microbatch, "action": r.action, "peer": r.peer,
+                              "bytes": r.bytes}))
+    for tid, name in sorted(tracks.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+    return events
+
+
+def trace_document(logs: dict[int, list], rank: int, stage_records=()) -> dict:
     """A Chrome trace of one rank: ``logs`` maps a wrapper number to its
-    IterationRecords."""
-    events: list[dict] = []
+    IterationRecords; ``stage_records`` are pipeline StageRecords."""
+    events: list[dict] = stage_events(stage_records, rank) if stage_records else []
     buckets: dict[int, int] = {}
     transports = set()
     for w, records in logs.items():

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from pydist import _C
 
-__all__ = ["map_segment", "map_segment_over_group", "map_segment_over_comm", "sweep_stale_segments", "group_timeout",
-           "close_all"]
+__all__ = ["map_segment", "map_segment_over_group", "map_segment_over_comm", "map_pair_segments",
+           "sweep_stale_segments", "group_timeout", "close_all"]
 
 SHM_DIR = "/dev/shm"
 # Segment names: /pydist-<creator's pid namespace inode>-<creator's pid>-<random>.
@@ -89,6 +89,60 @@ def map_segment(rank: int, world_size: int, allgather: Callable[[object], list],
         _close_at_exit = atexit.register(close_all)  # see [Note: leaving the segment at exit]
     _opened.add(shm)
     return shm, ""
+
+
+def map_pair_segments(group, pairs: list[tuple[int, int]],
+                      timeout_s: float) -> tuple[dict[int, _C.ShmTransport] | None, str]:
+    """Collective over the torch process group ``group``: one two-rank
+    segment per entry of ``pairs`` (group ranks (a, b), a != b), every rank
+    of the group passing the same list. Rank a of a pair creates it and is
+    rank 0 of its transport, b maps it as rank 1. Returns ({index in pairs:
+    this rank's end} for the pairs this rank is in, "") or (None, why not),
+    the same verdict on every rank; on failure every end opened is closed.
+    Two all_gather_object calls over ``group`` in all (the pipelining's
+    point-to-point channels: pydist/pipelining/_p2p.py)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    ends: dict[int, _C.ShmTransport] = {}
+    created: list[_C.ShmTransport] = []
+    failure = None
+    try:
+        if any(a == rank for a, _ in pairs):
+            sweep_stale_segments()
+        names: dict[int, str] = {}
+        for i, (a, _) in enumerate(pairs):
+            if a == rank and failure is None:
+                shm, failure = _attach(_new_segment_name(), 0, 2, timeout_s)
+                if shm is not None:
+                    ends[i] = shm
+                    created.append(shm)
+                    names[i] = shm.segment_name
+        every_names: list = [None] * world_size
+        dist.all_gather_object(every_names, names, group=group)
+        for i, (a, b) in enumerate(pairs):
+            if b == rank and failure is None:
+                name = every_names[a].get(i)
+                if name is None:
+                    failure = f"rank {a} could not create the segment for ranks ({a}, {b})"
+                    continue
+                shm, failure = _attach(name, 1, 2, timeout_s)
+                if shm is not None:
+                    ends[i] = shm
+        failures: list = [None] * world_size
+        dist.all_gather_object(failures, failure, group=group)
+    finally:
+        for shm in created:  # every peer that could map has (see map_segment)
+            shm.unlink()
+    failures = [f for f in failures if f]
+    if failures:
+        for shm in ends.values():
+            shm.close()
+        return None, "; ".join(failures)
+    global _close_at_exit
+    if not _close_at_exit:
+        _close_at_exit = atexit.register(close_all)  # see [Note: leaving the segment at exit]
+    for shm in ends.values():
+        _opened.add(shm)
+    return ends, ""
 
 
 # [Note: leaving the segment at exit]
