@@ -538,9 +538,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     @property
     def allreduce_transport(self) -> str:
-        """Where gradient buckets are all-reduced: "shm" (shared memory) or
-        "process_group". A comm hook does its own communication either way."""
-        return "shm" if self._shm is not None else "process_group"
+        """Where gradient buckets are all-reduced: "shm" (shared memory, ranks
+        on one host), "hierarchical" (shared memory inside each host and the
+        process group across hosts) or "process_group". A comm hook does its
+        own communication either way."""
+        if self._shm is None:
+            return "process_group"
+        return "hierarchical" if self._shm.name.startswith("hierarchical") else "shm"
 
     def bucket_indices(self) -> list[list[int]]:
         """The current buckets as lists of parameter indices, in launch order."""
