@@ -175,15 +175,15 @@ def _build_groups(group, topo: Topology) -> Topology:
     local synchronization (only that group's ranks call it)."""
     global_ranks = dist.get_process_group_ranks(group)
     world = dist.get_world_size(group) == dist.get_world_size()
-    backend = dist.get_backend(group)
+    backend, timeout = dist.get_backend(group), _timeout_of(group)
 
     def make(ranks: tuple):
         members = [global_ranks[r] for r in ranks]
         if world:
-            return dist.new_group(members, backend=backend)
+            return dist.new_group(members, backend=backend, timeout=timeout)
         if topo.rank not in ranks:
             return None
-        return dist.new_group(members, backend=backend, use_local_synchronization=True)
+        return dist.new_group(members, backend=backend, timeout=timeout, use_local_synchronization=True)
 
     local_group = cross_group = None
     for h, ranks in enumerate(topo.hosts):
@@ -205,13 +205,20 @@ def new_cross_group(group, topo: Topology):
     if dist.get_world_size(group) != dist.get_world_size():
         return topo.cross_group
     global_ranks = dist.get_process_group_ranks(group)
-    backend = dist.get_backend(group)
+    backend, timeout = dist.get_backend(group), _timeout_of(group)
     mine = None
     for l in range(topo.local_size):
-        made = dist.new_group([global_ranks[host[l]] for host in topo.hosts], backend=backend)
+        made = dist.new_group([global_ranks[host[l]] for host in topo.hosts], backend=backend, timeout=timeout)
         if l == topo.local_rank:
             mine = made
     return mine
+
+
+def _timeout_of(group):
+    """The parent's timeout, which subgroups keep (torch's new_group would take its 30-minute default)."""
+    from pydist.transport.shm_segment import group_timeout
+
+    return group_timeout(group)
 
 
 def describe_world() -> str:

@@ -12,6 +12,7 @@ Modes:
                stepping until the test faults a host; records the error
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -39,6 +40,10 @@ def batch(step: int, rank: int, width: int = 64):
 
 def flat_params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
 
 
 def run_collectives(out: dict) -> None:
@@ -80,19 +85,23 @@ def run_ddp(out: dict) -> None:
 
     rank = dist.get_rank()
     ours = pydist.DistributedDataParallel(model_of(0), bucket_cap_mb=0.01)
+    plain = pydist.DistributedDataParallel(model_of(0), bucket_cap_mb=0.01, shm_allreduce=False)
     theirs = TorchDDP(model_of(0), bucket_cap_mb=0.01)
     out["transport"] = ours.allreduce_transport
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    out["plain_transport"] = plain.allreduce_transport
+    models = (ours, plain, theirs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     for step in range(3):
         x, y = batch(step, rank)
-        for m, opt in zip((ours, theirs), opts):
+        for m, opt in zip(models, opts):
             opt.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
             opt.step()
     a, b = flat_params(ours.module), flat_params(theirs.module)
     out["max_diff_vs_torch"] = (a - b).abs().max().item()
+    out["max_diff_plain_vs_torch"] = (flat_params(plain.module) - b).abs().max().item()
     out["params_sum"] = a.double().sum().item()
-    out["params_hash"] = hash(a.numpy().tobytes())
+    out["params_hash"] = digest(a)
 
 
 def run_fsdp(out: dict) -> None:
@@ -106,7 +115,6 @@ def run_fsdp(out: dict) -> None:
     for block in theirs:
         torch_fully_shard(block)
     torch_fully_shard(theirs)
-    out["transport"] = ours._get_fsdp_state()._transport.name if hasattr(ours, "_get_fsdp_state") else "?"
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (ours, theirs)]
     for step in range(3):
         x, y = batch(step, rank)
@@ -114,12 +122,15 @@ def run_fsdp(out: dict) -> None:
             opt.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
             opt.step()
-    diffs = []
-    for p, q in zip(ours.parameters(), theirs.parameters()):
-        diffs.append((p.full_tensor() - q.full_tensor()).abs().max().item())
-    out["max_diff_vs_torch"] = max(diffs)
-    full = torch.cat([p.full_tensor().reshape(-1) for p in ours.parameters()])
-    out["params_hash"] = hash(full.detach().numpy().tobytes())
+    from pydist.fsdp import full_state_dict
+    from pydist.fsdp._utils import _root_state
+
+    out["transport"] = _root_state(ours).transport.name
+    mine = full_state_dict(ours)
+    torch_full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    out["max_diff_vs_torch"] = max((mine[k] - torch_full[k]).abs().max().item() for k in torch_full)
+    full = torch.cat([mine[k].reshape(-1) for k in sorted(mine)])
+    out["params_hash"] = digest(full)
 
 
 def run_fault(out: dict, out_path: str) -> None:
