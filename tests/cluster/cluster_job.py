@@ -100,6 +100,12 @@ def run_ddp(out: dict) -> None:
     a, b = flat_params(ours.module), flat_params(theirs.module)
     out["max_diff_vs_torch"] = (a - b).abs().max().item()
     out["max_diff_plain_vs_torch"] = (flat_params(plain.module) - b).abs().max().item()
+    # A simulated link goes on the cross-host leg only: the reducer's transport
+    # stays hierarchical, its cross leg is the sim_net wrapper over the stream.
+    simulated = pydist.DistributedDataParallel(model_of(0), sim_net="100Gbps,1us")
+    out["sim_net"] = [simulated.reducer.transport.name, ours.reducer.transport.name]
+    x, y = batch(0, rank)
+    nn.functional.mse_loss(simulated(x), y).backward()
     out["params_sum"] = a.double().sum().item()
     out["params_hash"] = digest(a)
 

@@ -88,6 +88,7 @@ def test_collectives_and_ddp_across_hosts_under_torchrun(cluster, tmp_path):
         assert r["max_diff_vs_torch"] < 1e-6
         assert r["max_diff_plain_vs_torch"] < 1e-6
         assert r["params_hash"] == results[0]["params_hash"]  # identical on every rank
+        assert r["sim_net"] == ["hierarchical(shm+sim_net(gloo))", "hierarchical(shm+gloo)"]
     assert cluster.shm_entries(0) == [] and cluster.shm_entries(1) == []
 
 
