@@ -146,6 +146,16 @@ def test_cut_link_is_named_fully_shard(cluster, tmp_path):
     assert cluster.shm_entries(0) == []
 
 
+@pytest.mark.timeout(90)
+def test_stalled_host_is_named_ddp(cluster, tmp_path):
+    """A host whose processes all stop (SIGSTOP): named after the group's timeout."""
+    results, faulted, timeout_s = _fault(cluster, tmp_path, "stall", "ddp")
+    for r in results:
+        assert "unreachable host: node1 (ranks 2, 3)" in r["error"], r["error"]
+        assert r["error_time"] - faulted < timeout_s + 15
+    assert cluster.shm_entries(0) == []
+
+
 @pytest.mark.timeout(60)
 def test_loopback_hostnames_name_gloo_socket_ifname(tmp_path):
     """Hostnames that resolve to 127.0.1.1: every rank fails at init naming
