@@ -294,16 +294,24 @@ class EmulatedCluster:
         return procs
 
     def launch_slurm(self, script_argv: Sequence[str], env: dict | None = None, job_id: int = 3737,
-                     **popen_kwargs) -> list[subprocess.Popen]:
+                     distribution: str = "block", **popen_kwargs) -> list[subprocess.Popen]:
         """Every rank as ``srun`` would start it: ``python script`` with the
         SLURM_* variables of a job on nodes node[0-(H-1)], one process per
-        task, block distribution (tasks 0..L-1 on node0, ...)."""
+        task. ``distribution``: "block" (tasks 0..L-1 on node0, ...) or
+        "cyclic" (task t on node t % H, as ``srun -m cyclic``; every host
+        the same number of ranks)."""
+        if distribution not in ("block", "cyclic"):
+            raise ValueError(f"launch_slurm: distribution must be 'block' or 'cyclic', got {distribution!r}")
+        if distribution == "cyclic" and len(set(self.ranks_per_host)) != 1:
+            raise ValueError(f"launch_slurm: cyclic needs the same ranks on every host, not {self.ranks_per_host}")
         procs = []
         nodelist = f"node[0-{len(self.hosts) - 1}]" if len(self.hosts) > 1 else "node0"
         tasks_per_node = ",".join(str(c) for c in self.ranks_per_host)
-        rank = 0
+        block_rank = 0
         for host in self.hosts:
             for local in range(self.ranks_per_host[host.index]):
+                rank = local * len(self.hosts) + host.index if distribution == "cyclic" else block_rank
+                block_rank += 1
                 slurm = {
                     "SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id), "SLURM_PROCID": str(rank),
                     "SLURM_NTASKS": str(self.world_size), "SLURM_LOCALID": str(local),
@@ -313,7 +321,6 @@ class EmulatedCluster:
                 }
                 procs.append(self.popen(host.index, [sys.executable, *script_argv], env=_env(env, slurm),
                                         **popen_kwargs))
-                rank += 1
         return procs
 
     @staticmethod
@@ -385,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--ranks-per-host", type=int, default=2)
     parser.add_argument("--rate", default=None, help="shape every host's link with tc tbf, e.g. 1gbit")
-    parser.add_argument("--launcher", choices=("torchrun", "slurm"), default="torchrun")
+    parser.add_argument("--launcher", choices=("torchrun", "slurm", "slurm-cyclic"), default="torchrun",
+                        help="slurm-cyclic: srun -m cyclic's placement (rank t on host t %% H)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = parser.parse_args(argv)
@@ -396,8 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for host in cluster.hosts:
             print(f"[cluster] {host.hostname} {host.address} ({args.ranks_per_host} ranks)"
                   + (f", link {args.rate}" if args.rate else ""), flush=True)
-        launch = cluster.launch_torchrun if args.launcher == "torchrun" else cluster.launch_slurm
-        codes = cluster.wait(launch(script), args.timeout)
+        if args.launcher == "torchrun":
+            procs = cluster.launch_torchrun(script)
+        else:
+            procs = cluster.launch_slurm(script, distribution="cyclic" if args.launcher == "slurm-cyclic" else "block")
+        codes = cluster.wait(procs, args.timeout)
     return max(codes, key=abs)
 
 

@@ -43,9 +43,12 @@ def _results(out_dir, world_size=4) -> list[dict]:
 
 
 def _run(cluster, launcher, mode, out_dir, timeout=120, **env):
-    launch = cluster.launch_torchrun if launcher == "torchrun" else cluster.launch_slurm
     log = open(os.path.join(out_dir, "log"), "w")
-    procs = launch([JOB, mode, str(out_dir)], env=_env(**env), stdout=log, stderr=subprocess.STDOUT)
+    argv, kwargs = [JOB, mode, str(out_dir)], dict(env=_env(**env), stdout=log, stderr=subprocess.STDOUT)
+    if launcher == "torchrun":
+        procs = cluster.launch_torchrun(argv, **kwargs)
+    else:
+        procs = cluster.launch_slurm(argv, distribution="cyclic" if launcher == "slurm-cyclic" else "block", **kwargs)
     codes = cluster.wait(procs, timeout)
     log.close()
     with open(os.path.join(out_dir, "log")) as f:
@@ -93,14 +96,17 @@ def test_collectives_and_ddp_across_hosts_under_torchrun(cluster, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_fully_shard_across_hosts_under_slurm(cluster, tmp_path):
-    """pydist.fully_shard (FULL_SHARD) beside torch FSDP2, launched as srun
-    would (SLURM_* variables): equal to rounding, identical on every rank."""
-    codes, log = _run(cluster, "slurm", "fsdp", tmp_path)
+def test_fully_shard_across_hosts_under_slurm_cyclic(cluster, tmp_path):
+    """pydist.fully_shard (FULL_SHARD) beside torch FSDP2, launched as
+    ``srun -m cyclic`` would (SLURM_* variables, rank t on host t % 2, so the
+    hierarchical reduce-scatter and all-gather see interleaved hosts): equal
+    to rounding, identical on every rank."""
+    codes, log = _run(cluster, "slurm-cyclic", "fsdp", tmp_path)
     assert codes == [0, 0, 0, 0], log[-3000:]
     results = _results(tmp_path)
     for r in results:
         assert r["ok"], r.get("traceback")
+        assert r["topology"] == "2 hosts x 2 ranks: node0 (ranks 0, 2), node1 (ranks 1, 3)"
         assert r["init"]["launcher"] == "slurm" and r["init"]["local_world_size"] == 2
         assert r["transport"].startswith("hierarchical"), r["transport"]
         assert r["max_diff_vs_torch"] < 1e-6
