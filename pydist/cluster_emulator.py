@@ -2,6 +2,7 @@
 
     python -m pydist.cluster_emulator --hosts 2 --ranks-per-host 2 --rate 1gbit -- train.py --epochs 1
     python -m pydist.cluster_emulator --launcher slurm -- train.py        # srun's environment instead
+    python -m pydist.cluster_emulator --launcher mpiexec -- train.py      # MPICH's mpiexec across the hosts
 
     with EmulatedCluster(hosts=2, ranks_per_host=2, rate="1gbit") as cluster:
         procs = cluster.launch_torchrun(["train.py"])      # one torchrun agent per host
@@ -323,6 +324,26 @@ class EmulatedCluster:
                                         **popen_kwargs))
         return procs
 
+    def launch_mpiexec(self, script_argv: Sequence[str], env: dict | None = None,
+                       **popen_kwargs) -> list[subprocess.Popen]:
+        """MPICH's ``mpiexec -hosts node0:L,node1:L,... python script``, run
+        on host 0; Hydra starts its proxy on each other host through a
+        launcher script that enters that host's namespaces (as ssh would log
+        in). Returns [the mpiexec process]."""
+        script = os.path.join(self._tmp, "enter-host.sh")
+        with open(script, "w") as f:
+            # Hydra calls it as ssh: [-x] HOST "COMMAND"
+            f.write('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nhost=$1; shift\ncase $host in\n')
+            for host in self.hosts:
+                f.write(f"  {host.hostname}) pid={host.agent_pid};;\n")
+            f.write('  *) echo "enter-host.sh: no host $host" >&2; exit 1;;\nesac\n')
+            f.write('exec nsenter -t "$pid" -m -u -n -- sh -c "$*"\n')
+        os.chmod(script, 0o755)
+        hosts = ",".join(f"{h.hostname}:{self.ranks_per_host[h.index]}" for h in self.hosts)
+        argv = ["mpiexec", "-launcher", "ssh", "-launcher-exec", script, "-hosts", hosts, "-n", str(self.world_size),
+                sys.executable, *script_argv]
+        return [self.popen(0, argv, env=_env(env), **popen_kwargs)]
+
     @staticmethod
     def wait(procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
         """Every process's exit status; kills the rest and raises TimeoutError
@@ -392,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--ranks-per-host", type=int, default=2)
     parser.add_argument("--rate", default=None, help="shape every host's link with tc tbf, e.g. 1gbit")
-    parser.add_argument("--launcher", choices=("torchrun", "slurm", "slurm-cyclic"), default="torchrun",
+    parser.add_argument("--launcher", choices=("torchrun", "slurm", "slurm-cyclic", "mpiexec"), default="torchrun",
                         help="slurm-cyclic: srun -m cyclic's placement (rank t on host t %% H)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
@@ -406,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + (f", link {args.rate}" if args.rate else ""), flush=True)
         if args.launcher == "torchrun":
             procs = cluster.launch_torchrun(script)
+        elif args.launcher == "mpiexec":
+            procs = cluster.launch_mpiexec(script)
         else:
             procs = cluster.launch_slurm(script, distribution="cyclic" if args.launcher == "slurm-cyclic" else "block")
         codes = cluster.wait(procs, args.timeout)

@@ -9,6 +9,7 @@ without, with the reason (CI runs as root).
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +48,8 @@ def _run(cluster, launcher, mode, out_dir, timeout=120, **env):
     argv, kwargs = [JOB, mode, str(out_dir)], dict(env=_env(**env), stdout=log, stderr=subprocess.STDOUT)
     if launcher == "torchrun":
         procs = cluster.launch_torchrun(argv, **kwargs)
+    elif launcher == "mpiexec":
+        procs = cluster.launch_mpiexec(argv, **kwargs)
     else:
         procs = cluster.launch_slurm(argv, distribution="cyclic" if launcher == "slurm-cyclic" else "block", **kwargs)
     codes = cluster.wait(procs, timeout)
@@ -109,6 +112,22 @@ def test_fully_shard_across_hosts_under_slurm_cyclic(cluster, tmp_path):
         assert r["topology"] == "2 hosts x 2 ranks: node0 (ranks 0, 2), node1 (ranks 1, 3)"
         assert r["init"]["launcher"] == "slurm" and r["init"]["local_world_size"] == 2
         assert r["transport"].startswith("hierarchical"), r["transport"]
+        assert r["max_diff_vs_torch"] < 1e-6
+        assert r["params_hash"] == results[0]["params_hash"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs MPICH's mpiexec (pip install mpich)")
+def test_ddp_across_hosts_under_mpiexec(cluster, tmp_path):
+    """MPICH's mpiexec across the hosts (Hydra's proxies enter each host's
+    namespaces): the same DDP parity as under torchrun."""
+    codes, log = _run(cluster, "mpiexec", "ddp", tmp_path)
+    assert codes == [0], log[-3000:]
+    results = _results(tmp_path)
+    for r in results:
+        assert r["ok"], r.get("traceback")
+        assert r["init"]["launcher"] == "mpich" and r["init"]["local_world_size"] == 2
+        assert r["transport"] == "hierarchical"
         assert r["max_diff_vs_torch"] < 1e-6
         assert r["params_hash"] == results[0]["params_hash"]
 
