@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 

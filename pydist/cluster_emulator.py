@@ -253,12 +253,6 @@ class EmulatedCluster:
         if done.returncode != 0:
             raise ClusterUnavailable(f"tc tbf on {dev} in {netns} failed: {done.stderr.strip()}")
 
-    def _check(self, argv: list[str], host: int, what: str) -> None:
-        done = subprocess.run(self.enter(host) + argv, capture_output=True, text=True, timeout=30)
-        if done.returncode != 0:
-            raise ClusterUnavailable(f"{what} does not work: `{' '.join(argv)}` on {self.hosts[host].hostname}: "
-                                     f"{done.stdout.strip()} {done.stderr.strip()}")
-
     # --- running things on a host ---------------------------------------------
 
     def enter(self, host: int) -> list[str]:

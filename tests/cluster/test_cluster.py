@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
@@ -73,8 +72,9 @@ def test_collectives_and_ddp_across_hosts_under_torchrun(cluster, tmp_path):
     integer-valued data (odd sizes, bf16), then pydist DDP beside torch DDP:
     equal to rounding (the 4-term sum is (x0+x1)+(x2+x3), gloo's ring sums
     in its own order) and bitwise identical on every rank."""
-    codes, log = _run(cluster, "torchrun", "collectives", tmp_path)
+    codes, log = _run(cluster, "torchrun", "collectives", tmp_path, PYDIST_VERBOSE=1)
     assert codes == [0, 0], log[-3000:]
+    assert log.count("pydist: 2 hosts x 2 ranks: node0 (ranks 0, 1), node1 (ranks 2, 3)") == 1, log[-3000:]
     results = _results(tmp_path)
     for r in results:
         assert r["ok"], r.get("traceback")
