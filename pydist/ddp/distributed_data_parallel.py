@@ -116,7 +116,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     each bucket in pieces of about this size as its gradients arrive; 0 for
     whole buckets; see [Note: chunked launches] in csrc/reducer/reducer.h),
     ``shm_allreduce`` (None: gradients of a CPU model whose ranks share one
-    host are all-reduced through shared memory instead of the process group,
+    host are all-reduced through shared memory instead of the process group;
+    across hosts with two or more ranks on each, through shared memory
+    inside each host and the group across them (docs/clusters.md);
     elsewhere on the group; True: shared memory or an error; False: always
     the group; see [Note: which transport]), ``record_timing`` (keep
     per-chunk and per-bucket records of the last iterations, read with

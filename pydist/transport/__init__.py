@@ -53,7 +53,7 @@ def wrap(name: str, inner: Transport, **options: float) -> Transport:
 
 def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool | None = True,
              owner: str = "pydist.transport.open_shm", keyword: str = "wanted",
-             collectives: str = "all-reduce") -> ShmTransport | None:
+             collectives: str = "all-reduce") -> Transport | None:
     """Collective over ``group`` (default: the world): this rank's end of a
     shared-memory transport, every rank passing the same ``wanted``. Where
     the group spans hosts (``pydist.topology``) and at least two of its ranks
