@@ -73,6 +73,9 @@ def worker(args) -> None:
     pairs = {"ddp": ((ours, torch.optim.SGD(ours.parameters(), lr=1e-3)),
                      (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3)))}
     transport = ours.allreduce_transport
+    if args.plain:  # pydist DDP on the bare process group (shm_allreduce=False), beside the same torch DDP
+        plain = pydist.DistributedDataParallel(model(), shm_allreduce=False)
+        pairs["ddp_plain"] = ((plain, torch.optim.SGD(plain.parameters(), lr=1e-3)), pairs["ddp"][1])
     fs_ours, fs_theirs = model(), model()
     for layer in fs_ours:
         pydist.fully_shard(layer)
@@ -107,6 +110,7 @@ def run_rate(rate: str | None, args) -> dict:
         env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
         argv = [os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps), "--rounds",
                 str(args.rounds), "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch)]
+        argv += ["--plain"] if args.plain else []
         with EmulatedCluster(args.hosts, args.ranks_per_host, rate=rate) as cluster:
             procs = cluster.launch_torchrun(argv, env=env, stdout=subprocess.DEVNULL if not args.verbose else None,
                                             stderr=subprocess.DEVNULL if not args.verbose else None)
@@ -127,6 +131,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--plain", action="store_true",
+                        help="also pydist DDP with shm_allreduce=False (the bare process group) vs torch DDP")
     parser.add_argument("--json", default=None)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -155,7 +161,7 @@ def main() -> None:
                 "rounds": rows,
             }
             table[f"{rate or 'unshaped'}/{name}"] = line
-            transport = found["transport"] if name == "ddp" else "(root's)"
+            transport = {"ddp": found["transport"], "ddp_plain": "process_group"}.get(name, "(root's)")
             print(f"{rate or 'unshaped':>8} {name:>11} {transport:>13} {line['pydist_ms']:10.1f} {line['torch_ms']:9.1f} "
                   f"{ratio:6.2f} {line['pydist_mb_per_step']:15.2f} {line['torch_mb_per_step']:14.2f}", flush=True)
     if args.json:
