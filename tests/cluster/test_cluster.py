@@ -200,3 +200,13 @@ def test_emulator_tears_down_on_failure():
             assert cluster.run(1, ["hostname"]).stdout.strip() == "node1"
             1 / 0
     assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(60)
+def test_hosts_with_different_numbers_of_ranks_are_named(tmp_path):
+    """2 ranks on node0, 1 on node1 (SLURM_TASKS_PER_NODE=2,1): every rank
+    fails at init naming each host and its ranks."""
+    with EmulatedCluster(2, [2, 1]) as cluster:
+        codes, log = _run(cluster, "slurm", "ddp", tmp_path, timeout=50)
+    assert codes == [1, 1, 1], log[-3000:]
+    assert log.count("the hosts run different numbers of ranks: node0 has 2 (0, 1), node1 has 1 (2)") == 3, log[-3000:]
