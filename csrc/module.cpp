@@ -15,6 +15,14 @@
 
 namespace py = pybind11;
 
+namespace pydist::transport {  // csrc/transport/hierarchical_transport.cpp: see [Note: hierarchical collectives]
+std::shared_ptr<Transport> make_hierarchical_transport(std::shared_ptr<Transport> local_in,
+                                                       std::shared_ptr<Transport> local_out,
+                                                       std::shared_ptr<Transport> cross, int64_t rank,
+                                                       std::vector<std::vector<int64_t>> rank_of,
+                                                       std::vector<std::string> host_names);
+}
+
 #include "ops/streaming_copy.h"
 
 namespace {
@@ -151,6 +159,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("name"), py::arg("inner"), py::arg("options") = tp::WrapperOptions{},
         "Puts the registered wrapper `name` in front of `inner`");
   m.def("registered_wrappers", &tp::registered_wrappers);
+  m.def(
+      "hierarchical_transport",
+      [](std::shared_ptr<tp::Transport> local_in, std::shared_ptr<tp::Transport> local_out,
+         std::shared_ptr<tp::Transport> cross, int64_t rank, std::vector<std::vector<int64_t>> rank_of,
+         std::vector<std::string> host_names) {
+        return freed_without_gil(tp::make_hierarchical_transport(std::move(local_in), std::move(local_out),
+                                                                 std::move(cross), rank, std::move(rank_of),
+                                                                 std::move(host_names)));
+      },
+      py::arg("local_in"), py::arg("local_out"), py::arg("cross"), py::arg("rank"), py::arg("rank_of"),
+      py::arg("host_names"),
+      "Shared memory inside each host + a process group across hosts (csrc/transport/hierarchical_transport.cpp)");
 
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer", "The C++ gradient reducer (csrc/reducer/reducer.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,

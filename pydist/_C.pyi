@@ -124,6 +124,14 @@ class ShmTransport(Transport):
 
 def wrap_transport(name: str, inner: Transport, options: dict[str, float] = ...) -> Transport: ...
 def registered_wrappers() -> list[str]: ...
+def hierarchical_transport(
+    local_in: Transport,
+    local_out: Transport,
+    cross: Transport,
+    rank: int,
+    rank_of: list[list[int]],
+    host_names: list[str],
+) -> Transport: ...  # csrc/transport/hierarchical_transport.cpp
 
 # --- the reducer (csrc/reducer/reducer.h) -------------------------------------
 

@@ -116,7 +116,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     each bucket in pieces of about this size as its gradients arrive; 0 for
     whole buckets; see [Note: chunked launches] in csrc/reducer/reducer.h),
     ``shm_allreduce`` (None: gradients of a CPU model whose ranks share one
-    host are all-reduced through shared memory instead of the process group,
+    host are all-reduced through shared memory instead of the process group;
+    across hosts with two or more ranks on each, through shared memory
+    inside each host and the group across them (docs/clusters.md);
     elsewhere on the group; True: shared memory or an error; False: always
     the group; see [Note: which transport]), ``record_timing`` (keep
     per-chunk and per-bucket records of the last iterations, read with
@@ -538,9 +540,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     @property
     def allreduce_transport(self) -> str:
-        """Where gradient buckets are all-reduced: "shm" (shared memory) or
-        "process_group". A comm hook does its own communication either way."""
-        return "shm" if self._shm is not None else "process_group"
+        """Where gradient buckets are all-reduced: "shm" (shared memory, ranks
+        on one host), "hierarchical" (shared memory inside each host and the
+        process group across hosts) or "process_group". A comm hook does its
+        own communication either way."""
+        if self._shm is None:
+            return "process_group"
+        return "hierarchical" if self._shm.name.startswith("hierarchical") else "shm"
 
     def bucket_indices(self) -> list[list[int]]:
         """The current buckets as lists of parameter indices, in launch order."""

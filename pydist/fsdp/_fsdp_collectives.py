@@ -15,12 +15,14 @@ On CPU, gloo runs each collective on the calling thread's behalf but inside
 its own worker, and torch FSDP2 waits on every one at once, so nothing
 overlaps. pydist opens the shared-memory transport where every rank of the
 group maps one segment (``pydist.transport.open_shm``: ranks on one host),
-else wraps the process group (gloo, NCCL, the mpi4py backend). Both queue
+across hosts with two or more ranks on each, the hierarchical transport
+(shared memory inside each host, the group across: docs/clusters.md),
+else wraps the process group (gloo, NCCL, the mpi4py backend). All queue
 the collective and return a future: the shared-memory one runs it on its
 own worker thread, so an all-gather prefetched for the next unit or a
 reduce-scatter of this unit's gradients runs while autograd computes.
 Every rank issues the same collectives in the same order (the engine's
-hooks fire in the same order on every rank for the same model), which both
+hooks fire in the same order on every rank for the same model), which the
 transports require.
 
 [Note: where the 1/N goes]

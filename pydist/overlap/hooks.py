@@ -33,6 +33,9 @@ def transport_for(ddp, transport):
         return transport
     from pydist import transport as transports
 
+    parts = transports.hierarchical_parts(transport) if transport is not None else None
+    if parts is not None:  # across hosts the link is the cross-host leg only
+        return parts.build(cross=network.sim_net(parts.cross, link))
     inner = transport if transport is not None else transports.ProcessGroupTransport(ddp.process_group)
     return network.sim_net(inner, link)
 

@@ -377,8 +377,15 @@ def init_process_group(backend: str | None = None, timeout=None, init_method: st
         else:
             local_size = opened.local_world_size
         addr, port = opened.master_addr, opened.master_port
+        check_hosts(store, opened.rank, opened.world_size, backend, addr, timeout)
         dist.init_process_group(backend, store=store, rank=opened.rank, world_size=opened.world_size, timeout=timeout)
     _destroy_at_exit()
+    if os.environ.get("PYDIST_VERBOSE", "") not in ("", "0"):  # one line: the hosts pydist found
+        from pydist import topology
+
+        line = topology.describe_world()
+        if dist.get_rank() == 0:
+            print(line, flush=True)
     result = InitResult(dist.get_rank(), dist.get_world_size(), local_rank, backend,
                         info.launcher if info else "init_method",
                         local_size if local_size is not None else 1)
@@ -417,6 +424,90 @@ def export_torchrun_env(values: dict, where: str, launcher: str | None = None) -
     _exported.update(values)
     if launcher not in (None, "torchrun", "init_method"):
         os.environ[EXPORTED_FROM_ENV] = launcher
+
+
+# [Note: checks across hosts before gloo connects]
+# Gloo listens on the address the hostname resolves to unless
+# GLOO_SOCKET_IFNAME names an interface. Where /etc/hosts maps the hostname
+# to 127.0.x.1 (many images do), every rank listens on loopback and the
+# ranks on other hosts get "Connection refused" with no hint. And a job
+# whose hosts hold different numbers of ranks is usually a launch mistake
+# (a node given the wrong nproc_per_node). So before the group connects,
+# every rank publishes what it sees (its host, and whether gloo would bind
+# loopback, with the interface that reaches MASTER_ADDR), and every rank
+# reads all of them: all raise at once, naming the hosts, instead of some
+# waiting for the timeout.
+def check_hosts(store, rank: int, world_size: int, backend: str, master_addr: str | None,
+                timeout: datetime.timedelta) -> None:
+    """See [Note: checks across hosts before gloo connects]; raises RendezvousError."""
+    host = socket.gethostname()
+    loopback = ""
+    if "gloo" in backend and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        try:
+            resolved = socket.gethostbyname(host)
+        except OSError:
+            resolved = ""
+        if resolved.startswith("127."):
+            iface, source = _interface_towards(master_addr)
+            loopback = f"{resolved}|{iface}|{source}"
+    store.set(f"host/{rank}", f"{host}|{loopback}")
+    keys = [f"host/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    seen = [store.get(k).decode().split("|", 1) for k in keys]
+    hosts: dict[str, list[int]] = {}
+    for r, (name, _) in enumerate(seen):
+        hosts.setdefault(name, []).append(r)
+    if len(hosts) < 2:
+        return  # one host: loopback is where the peers are
+    bad = [(r, name, how.split("|")) for r, (name, how) in enumerate(seen) if how]
+    if bad:
+        per_host = {name: (resolved, iface, source) for _, name, (resolved, iface, source) in bad}
+        names = sorted({iface for _, iface, _ in per_host.values()})
+        use = (f"GLOO_SOCKET_IFNAME={names[0]}" if len(names) == 1 and names[0]
+               else "GLOO_SOCKET_IFNAME=<each host's interface on the job's network>")
+        found = ", ".join(f"{name}: {resolved} -> use {iface or '?'}{f' ({source})' if source else ''}"
+                          for name, (resolved, iface, source) in sorted(per_host.items()))
+        raise RendezvousError(
+            f"rank {rank}: hostnames resolve to loopback ({found}), so gloo would listen on loopback and the ranks "
+            f"on the other hosts could not connect ('Connection refused'). Set {use} in every rank's environment "
+            "(the interface that reaches the other hosts; `ip -br addr` lists them), or make each hostname resolve "
+            "to its host's address on the job's network (/etc/hosts)"
+        )
+    if len({len(ranks) for ranks in hosts.values()}) > 1:
+        listing = ", ".join(f"{name} has {len(ranks)} ({', '.join(map(str, ranks))})" for name, ranks in hosts.items())
+        raise RendezvousError(
+            f"rank {rank}: the hosts run different numbers of ranks: {listing}. Start the same number on every "
+            "host (torchrun --nproc_per_node, srun --ntasks-per-node, mpirun -ppn)"
+        )
+
+
+def _interface_towards(addr: str | None) -> tuple[str, str]:
+    """(interface name, its address) this host would use to reach ``addr``; ("", "") if unknown."""
+    import fcntl
+    import struct
+
+    try:
+        addresses = {}  # interface -> its IPv4 address
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue
+                addresses[name] = socket.inet_ntoa(packed[20:24])
+        source = ""
+        if addr:
+            target = socket.gethostbyname(addr)
+            if not target.startswith("127."):  # MASTER_ADDR names this host by loopback on the master itself
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                    probe.connect((target, 9))  # UDP: no packet is sent, the kernel only picks the route
+                    source = probe.getsockname()[0]
+        for name, address in addresses.items():
+            if (address == source) if source else not address.startswith("127."):
+                return name, address
+        return "", source
+    except OSError:
+        return "", ""
 
 
 def _count_local_ranks(store, world_size: int) -> int:

@@ -2,7 +2,8 @@
 
     from pydist import transport
     t = transport.ProcessGroupTransport(dist.group.WORLD)      # gloo, NCCL, mpi4py
-    t = transport.open_shm(dist.group.WORLD)                    # ranks on one host
+    t = transport.open_shm(dist.group.WORLD)                    # ranks on one host; across hosts,
+                                                                # shared memory inside each + the group across
     t = transport.wrap("counting", t)                           # a wrapper in front
     t.all_reduce(x, scale=0.5).wait()                           # -> completion time (ns)
     t.reduce_scatter(flat, shard).wait()
@@ -17,6 +18,9 @@ nanoseconds on the steady clock, the clock of ``time.monotonic_ns()``.
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 
 from pydist import _C
@@ -30,6 +34,8 @@ __all__ = [
     "wrap",
     "registered_wrappers",
     "transport_of",
+    "HierarchicalParts",
+    "hierarchical_parts",
 ]
 
 Transport = _C.Transport
@@ -47,9 +53,13 @@ def wrap(name: str, inner: Transport, **options: float) -> Transport:
 
 def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool | None = True,
              owner: str = "pydist.transport.open_shm", keyword: str = "wanted",
-             collectives: str = "all-reduce") -> ShmTransport | None:
+             collectives: str = "all-reduce") -> Transport | None:
     """Collective over ``group`` (default: the world): this rank's end of a
-    shared-memory transport, every rank passing the same ``wanted``.
+    shared-memory transport, every rank passing the same ``wanted``. Where
+    the group spans hosts (``pydist.topology``) and at least two of its ranks
+    share one, the end is a hierarchical transport instead: shared memory
+    inside each host, the process group across hosts (see [Note:
+    hierarchical collectives] in csrc/transport/hierarchical_transport.cpp).
 
     wanted: True requires it (raises, on every rank, saying why not); None
     uses it where every rank can (every rank on this host, ``params`` all
@@ -74,9 +84,19 @@ def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool 
         return None
     refusals = [f"rank {r}: {reason}" for r, (_, reason) in enumerate(verdicts) if reason]
     if not refusals:
+        from pydist import topology
         from pydist.transport import shm_segment
 
-        shm, failure = shm_segment.map_segment_over_group(group)
+        topo = topology.of(group)
+        if not topo.spans_hosts:
+            shm, failure = shm_segment.map_segment_over_group(group)
+        elif not topo.shares_host:
+            shm, failure = None, f"every rank is on a host of its own ({topo.describe()})"
+        elif not topo.uniform:
+            shm, failure = None, f"hosts have different numbers of ranks ({topo.uneven_hosts()}); the " \
+                "hierarchical transport needs the same number on every host"
+        else:
+            shm, failure = _open_hierarchical(group, topo)
         if shm is not None:
             return shm
         refusals = [failure]
@@ -87,6 +107,73 @@ def open_shm(group=None, params: list[torch.Tensor] | None = None, wanted: bool 
             + f"). Pass {keyword}=None to fall back to the process group."
         )
     return None
+
+
+class HierarchicalParts(NamedTuple):
+    """What a hierarchical transport is made of (``hierarchical_parts``), so
+    a wrapper can go in front of its cross-host leg only (the overlap lab's
+    simulated link): ``parts.build(cross=wrap(..., parts.cross))``."""
+
+    local_in: ShmTransport  # this host's shared memory, first legs
+    local_out: ShmTransport  # this host's shared memory, last legs
+    cross: Transport  # this rank's stream: local rank l of every host
+    rank: int
+    rank_of: list  # [host][local index] -> group rank
+    host_names: list  # for errors: "node1 (ranks 2, 3)"
+
+    def build(self, cross: Transport | None = None) -> Transport:
+        made = _C.hierarchical_transport(self.local_in, self.local_out, cross if cross is not None else self.cross,
+                                         self.rank, self.rank_of, self.host_names)
+        _parts[made] = self._replace(cross=cross) if cross is not None else self
+        return made
+
+
+_parts: "weakref.WeakKeyDictionary[Transport, HierarchicalParts]" = weakref.WeakKeyDictionary()
+
+
+def hierarchical_parts(t: Transport) -> HierarchicalParts | None:
+    """The parts of a hierarchical transport made by ``open_shm``, else None."""
+    return _parts.get(t)
+
+
+def _open_hierarchical(group, topo) -> tuple[Transport | None, str]:
+    """Collective over ``group``: the hierarchical transport of ``topo``
+    (which spans hosts, shares one, every host the same size), or (None, why not)
+    on every rank."""
+    import torch.distributed as dist
+
+    from pydist.transport import shm_segment
+
+    local_size = topo.local_size
+
+    def local_allgather(obj) -> list:
+        out: list = [None] * local_size
+        dist.all_gather_object(out, obj, group=topo.local_group)
+        return out
+
+    timeout_s = shm_segment.group_timeout(group).total_seconds()
+    ends, failure = [], ""
+    for _ in ("in", "out"):
+        shm, failure = shm_segment.map_segment(topo.local_rank, local_size, local_allgather, timeout_s)
+        if shm is None:
+            break
+        ends.append(shm)
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, failure, group=group)  # every host must have both segments
+    host_of = {r: h for h, ranks in enumerate(topo.hosts) for r in ranks}
+    failures = [f"{topo.host_label(host_of[r])}: {f}" for r, f in enumerate(outcomes) if f]
+    if failures:
+        for shm in ends:
+            shm.close()
+        return None, "; ".join(failures)
+    # A stream group of its own: two transports issuing on one group from
+    # their own threads could interleave differently on different ranks.
+    from pydist import topology
+
+    cross = ProcessGroupTransport(topology.new_cross_group(group, topo))
+    parts = HierarchicalParts(ends[0], ends[1], cross, topo.rank,
+                              [list(h) for h in topo.hosts], [topo.host_label(h) for h in range(topo.num_hosts)])
+    return parts.build(), ""
 
 
 def _why_not_shm_here(params: list[torch.Tensor], world_size: int, collectives: str = "all-reduce") -> str | None:
