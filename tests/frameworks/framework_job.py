@@ -1,10 +1,14 @@
 """One job under torchrun (2 CPU ranks): a tiny regression trained by
-accelerate's multi-CPU path, then by Lightning's DDP strategy, on torch's DDP
-(``--impl torch``) or on pydist's through ``pydist.patch_torch()`` called
-before the frameworks are imported (``--impl pydist``), as
-docs/frameworks.md shows. Rank 0 saves what tests/frameworks/test_frameworks.py
-compares: each framework's final parameters, the wrapper class it built, and
-the patch's report.
+accelerate's multi-CPU path and by Lightning's DDP strategy, first on pydist's
+DDP through ``pydist.patch_torch()`` called before the frameworks are imported
+(as docs/frameworks.md shows), then, after ``undo()``, on torch's DDP from the
+same seed. Rank 0 saves what tests/frameworks/test_frameworks.py compares:
+each framework's final parameters and the wrapper class it built, per run,
+and the patch's report.
+
+Lightning's strategy bound the class at its import, under the patch; for the
+torch run the test puts torch's class back under that name, as if Lightning
+had been imported without the patch (one process instead of two jobs).
 """
 
 import argparse
@@ -14,16 +18,14 @@ import torch
 # Bound before the patch on purpose: patch_torch() must report it, and it keeps torch's class.
 from torch.nn.parallel import DistributedDataParallel as BoundBeforeThePatch  # noqa: F401
 
+import pydist  # noqa: E402
+
 parser = argparse.ArgumentParser()
-parser.add_argument("--impl", choices=["torch", "pydist"], required=True)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
-report = None
-if args.impl == "pydist":
-    import pydist
-
-    report = pydist.patch_torch(warn=False)
+TORCH_DDP = torch.nn.parallel.DistributedDataParallel
+report = pydist.patch_torch(warn=False)
 
 import pytorch_lightning as pl  # noqa: E402  (after the patch: its strategy binds the class at import)
 from accelerate import Accelerator  # noqa: E402
@@ -85,7 +87,12 @@ def train_with_lightning():
     return module.wrapper, {k: v.clone() for k, v in module.net.state_dict().items()}
 
 
-results = {"accelerate": train_with_accelerate(), "lightning": train_with_lightning(),
-           "patched": report.patched if report else [], "unreached": report.unreached if report else []}
+results = {"pydist": {"accelerate": train_with_accelerate(), "lightning": train_with_lightning()},
+           "patched": report.patched, "unreached": report.unreached}
+report.undo()
+import pytorch_lightning.strategies.ddp  # noqa: E402
+
+pytorch_lightning.strategies.ddp.DistributedDataParallel = TORCH_DDP  # see the docstring
+results["torch"] = {"accelerate": train_with_accelerate(), "lightning": train_with_lightning()}
 if int(os.environ["RANK"]) == 0:
-    torch.save(results, os.path.join(args.out, f"{args.impl}.pt"))
+    torch.save(results, os.path.join(args.out, "results.pt"))
