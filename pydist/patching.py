@@ -102,7 +102,8 @@ def _bound_elsewhere(originals: dict[int, object]) -> list[str]:
             items = list(vars(module).items())
         except TypeError:  # a module-like object without a __dict__
             continue
-        found.extend(f"{name}.{key}" for key, value in items if id(value) in originals and value is originals[id(value)])
+        found.extend(f"{name}.{key}" for key, value in items
+                     if id(value) in originals and value is originals[id(value)])
     return sorted(found)
 
 

@@ -110,10 +110,11 @@ def test_a_venv_made_from_a_venv_sees_the_outer_venvs_packages(tmp_path):
               "print(make_venv(pathlib.Path(sys.argv[2]), sys.executable))")
     inner = run([outer, "-c", helper, os.path.dirname(os.path.abspath(__file__)), str(tmp_path / "inner")]).strip()
     assert inner == str(tmp_path / "inner" / "bin" / "python")
-    found = run([inner, "-c", "import sys, only_in_the_outer_venv as m, torch, pytest; print(m.WHERE); print(sys.prefix)"])
+    found = run([inner, "-c", "import sys, only_in_the_outer_venv as m, torch, pytest; "
+                 "print(m.WHERE); print(sys.prefix)"])
     assert found.split("\n")[:2] == [os.path.join(purelib, "only_in_the_outer_venv.py"), str(tmp_path / "inner")]
     # The README's commands, as the outer venv's make runs them: every recipe line uses its python.
     dry = run(["make", "-n", "-B", "demo", "test", f"PYTHON={outer}"], cwd=REPO)
-    for line in (f"{outer} -m pytest tests", f"{outer} -m torch.distributed.run", f"{outer} -m mpi4py -m pytest tests/mpi",
-                 f"{outer} -m pip install --no-build-isolation -e ."):
+    for line in (f"{outer} -m pytest tests", f"{outer} -m torch.distributed.run",
+                 f"{outer} -m mpi4py -m pytest tests/mpi", f"{outer} -m pip install --no-build-isolation -e ."):
         assert line in dry, dry

@@ -153,4 +153,5 @@ def test_readme_make_commands_are_make_targets(tmp_path):
         target = line.split("#")[0].split()[1]
         done = subprocess.run(["make", "-n", "-B", target, f"PYTHON={sys.executable}"], cwd=REPO,
                               env=shell_environment(tmp_path), capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0 and sys.executable in done.stdout, f"make -n {target}:\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0 and sys.executable in done.stdout, \
+            f"make -n {target}:\n{done.stdout}\n{done.stderr}"
