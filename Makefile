@@ -1,11 +1,13 @@
 # The two commands of the README: `make demo` and `make test`. Both install
-# what they need first (torch pinned when none is present, the dev tools,
+# what they need first (torch pinned when none is present, the dev tools, the
+# frameworks tests/frameworks runs (--no-deps: they never replace torch),
 # then pydist itself, built in place against that torch: see the README's
 # Install section and pyproject.toml), so they work on a fresh machine.
 PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 STAMP := build/.pydist-installed
-SOURCES := $(shell find csrc pydist -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt
+SOURCES := $(shell find csrc pydist -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt \
+	requirements-frameworks.txt
 
 .PHONY: install test test-spawn test-mpi demo bench gpu-check clean
 
@@ -14,6 +16,7 @@ install: $(STAMP)
 $(STAMP): $(SOURCES)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_PIN)
 	$(PYTHON) -m pip install -r requirements-dev.txt
+	$(PYTHON) -m pip install --no-deps -r requirements-frameworks.txt
 	$(PYTHON) -m pip install --no-build-isolation -e .
 	@mkdir -p build && touch $@
 

