@@ -75,6 +75,7 @@ class BucketUpdate:
     index: int                  # the reducer's bucket index (launch order)
     num_params: int
     landed_ms: float = -1.0     # its all-reduce had completed and grads were written back
+    update_start_ms: float = -1.0  # the optimizer began updating its parameters
     updated_ms: float = -1.0    # the optimizer had updated its parameters
     forward_wait_ms: float = 0.0  # how long the next forward's pre-hooks waited for it
     thread: str = ""            # "worker" or "forward" (the main thread needed it first)
@@ -301,7 +302,7 @@ class OverlappedOptimizer:
         try:
             ddp = self._ddp()
             ddp.reducer.finish_bucket(job.bucket)  # waits (GIL released) and writes grads back
-            job.record.landed_ms = (time.monotonic_ns() - self._record_start) / 1e6
+            job.record.landed_ms = job.record.update_start_ms = (time.monotonic_ns() - self._record_start) / 1e6
             if job.groups:
                 self._step_on(job.groups)
             job.record.updated_ms = (time.monotonic_ns() - self._record_start) / 1e6

@@ -234,8 +234,8 @@ def _ordering_ranks(rank, world_size):
         it = reduced[upd.step]
         complete = {b.index: it.start_ns + b.complete_ms * 1e6 for b in it.buckets}
         for b in upd.buckets:
-            landed = upd.start_ns + b.landed_ms * 1e6
-            if landed < complete[b.index]:
+            began = upd.start_ns + b.update_start_ms * 1e6
+            if began < complete[b.index]:
                 problems.append(f"step {upd.step}: bucket {b.index} updated before its all-reduce completed")
             checked += 1
         # the forward after this step: every module started after its buckets' updates
