@@ -39,6 +39,11 @@ within each round on the same link:
                           its all-reduce lands, the next forward waiting only
                           for its own layers (docs/overlap-optimizer.md)
     ratio                 overlap_optimizer / plain
+
+overlap_optimizer's update thread and the main thread share the GIL; on a
+machine with no spare core per rank, Python's default switch interval (5 ms)
+can hold a landed bucket's update (or the forward) for that long:
+--switch-interval 0.0002 shows the schedule without that convoy.
 """
 
 from __future__ import annotations
@@ -181,6 +186,8 @@ def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps
 
 
 def optimizer_sweep(rank, world_size, args):
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)  # both columns alike
     times: dict = {}
     for _ in range(args.rounds):
         for model_name in args.models:
@@ -305,6 +312,8 @@ def main():
     parser.add_argument("--cost-rounds", type=int, default=15)
     parser.add_argument("--optimizer", choices=["adam", "sgd"],
                         help="time training iterations, plain vs overlap_optimizer (first --chunks value)")
+    parser.add_argument("--switch-interval", type=float, metavar="S",
+                        help="sys.setswitchinterval in each rank (--optimizer sweep; Python's default is 0.005)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", metavar="PNG", help="e.g. benchmarks/bench_overlap.png")
     args = parser.parse_args()

@@ -171,7 +171,11 @@ class OverlappedOptimizer:
         opt = self.opt
         me = weakref.ref(self)
 
+        # Each replacement falls back to the optimizer's own method once the
+        # wrapper (and this object with it) is gone.
         def step(opt_self, closure=None):
+            if me() is None:
+                return type(opt_self).step(opt_self, closure)
             if closure is not None:
                 raise RuntimeError(
                     f"{type(opt_self).__name__}.step(closure): overlap_optimizer applies updates bucket by bucket "
@@ -181,14 +185,18 @@ class OverlappedOptimizer:
             me().queue_updates()
 
         def zero_grad(opt_self, set_to_none: bool = True):
+            if me() is None:
+                return type(opt_self).zero_grad(opt_self, set_to_none)
             me().zero_grad(set_to_none)
 
         def state_dict(opt_self):
-            me().wait_updates()
+            if me() is not None:
+                me().wait_updates()
             return type(opt_self).state_dict(opt_self)
 
         def load_state_dict(opt_self, state_dict):
-            me().wait_updates()
+            if me() is not None:
+                me().wait_updates()
             return type(opt_self).load_state_dict(opt_self, state_dict)
 
         # The instance attributes replaced here (an LR scheduler's step
@@ -210,8 +218,12 @@ class OverlappedOptimizer:
             own = [p for p in module.parameters(recurse=False)]
             if own:
                 hooks.append(module.register_forward_pre_hook(_ForwardWait(me, own)))
-        hooks.append(ddp.module.register_state_dict_pre_hook(lambda *a, **k: me().wait_updates()))
-        hooks.append(ddp.module.register_load_state_dict_pre_hook(lambda *a, **k: me().wait_updates()))
+        def wait(*args, **kwargs):
+            if me() is not None:
+                me().wait_updates()
+
+        hooks.append(ddp.module.register_state_dict_pre_hook(wait))
+        hooks.append(ddp.module.register_load_state_dict_pre_hook(wait))
         return hooks
 
     def detach(self) -> None:
@@ -227,6 +239,9 @@ class OverlappedOptimizer:
         ddp = self._ddp()
         if ddp is not None:
             ddp.reducer.set_defer_finalize(False)
+
+    def __del__(self):
+        self._queue.put(None)  # the worker ends
 
     # --- the step: queue_updates -> run_bucket -> wait_updates -------------------
 
