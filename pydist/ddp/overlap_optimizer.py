@@ -30,6 +30,7 @@ See docs/overlap-optimizer.md for what waits and what is refused.
 
 from __future__ import annotations
 
+import copy
 import enum
 import queue
 import threading
@@ -218,12 +219,8 @@ class OverlappedOptimizer:
             own = [p for p in module.parameters(recurse=False)]
             if own:
                 hooks.append(module.register_forward_pre_hook(_ForwardWait(me, own)))
-        def wait(*args, **kwargs):
-            if me() is not None:
-                me().wait_updates()
-
-        hooks.append(ddp.module.register_state_dict_pre_hook(wait))
-        hooks.append(ddp.module.register_load_state_dict_pre_hook(wait))
+        hooks.append(ddp.module.register_state_dict_pre_hook(_WaitAll(me)))
+        hooks.append(ddp.module.register_load_state_dict_pre_hook(_WaitAll(me)))
         return hooks
 
     def detach(self) -> None:
@@ -413,7 +410,41 @@ class OverlappedOptimizer:
         return self._state is not UpdateState.UPDATING and ddp is not None and ddp.reducer.state == "Finishing"
 
 
-class _ForwardWait:
+def _gone():
+    return None
+
+
+class _Hook:
+    """A hook of the wrapped module holding the OverlappedOptimizer weakly. A
+    pickled or deep-copied module carries it inert (the copy has no
+    optimizer attached): a weak reference cannot be pickled."""
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_owner"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._owner = _gone
+
+    def __deepcopy__(self, memo):
+        copied = copy.copy(self)
+        copied._owner = _gone
+        return copied
+
+
+class _WaitAll(_Hook):
+    """state_dict / load_state_dict pre-hook: every update has landed."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def __call__(self, *args, **kwargs):
+        overlapped = self._owner()
+        if overlapped is not None:
+            overlapped.wait_updates()
+
+
+class _ForwardWait(_Hook):
     """Forward pre-hook of a module owning parameters: wait for their buckets."""
 
     def __init__(self, owner, params):

@@ -309,3 +309,32 @@ def test_refusals_and_wait_grads():
         assert "closure" in out["closure"]
         assert out["grads_averaged"]
         assert out["detached_state"] == "Idle"
+
+
+def _copies(rank, world_size):
+    """A wrapper with overlap_optimizer pickles and deep-copies (waiting for
+    its updates first); the copy trains as plain DDP, the original goes on."""
+    import io
+
+    from pydist import DistributedDataParallel
+
+    ddp = DistributedDataParallel(Net(), sim_net=SLOW_LINK, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ddp.overlap_optimizer(opt)
+    ddp(torch.randn(4, 8)).sum().backward()
+    opt.step()  # updates in flight
+    buffer = io.BytesIO()
+    torch.save(ddp, buffer)  # pickling waits for them
+    clone = copy.deepcopy(ddp)
+    same = all(torch.equal(a, b) for a, b in zip(ddp.parameters(), clone.parameters()))
+    clone(torch.randn(4, 8)).sum().backward()
+    ddp(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    ddp.wait_updates()
+    return {"same": same, "clone_overlap": clone._overlap, "clone_state": clone.reducer.state}
+
+
+@pytest.mark.timeout(60)
+def test_pickle_and_deepcopy():
+    for out in run_ranks(_copies, 2):
+        assert out == {"same": True, "clone_overlap": None, "clone_state": "Idle"}
