@@ -56,9 +56,10 @@ _ELEMENT_WISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 # own gradient and state alone: SGD (momentum, nesterov, weight decay), Adam,
 # AdamW, in their for-loop, foreach and fused forms (foreach and fused batch
 # tensors but compute each element from the same operands). An optimizer that
-# reads the whole model (LBFGS's line search, a global-norm trust ratio such
-# as LAMB's is per tensor but LBFGS's closure re-runs the model) or a step
-# with a closure cannot be split, and is refused by name.
+# reads the whole model (LBFGS: a closure re-running the model and a line
+# search over every parameter) or a step with a closure cannot be split, and
+# is refused by name; other classes are refused as not known to be
+# element-wise.
 
 
 class UpdateState(enum.Enum):
@@ -276,18 +277,16 @@ class OverlappedOptimizer:
         self._layout()
         hyper = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
                  for g in self.opt.param_groups]
-        if self._outside:
-            self._step_on([dict(hyper[g], params=ps) for g, ps in self._outside])
         record = UpdateRecord(self._steps, time.monotonic_ns())
         self._steps += 1
         if ddp.reducer.state != "Finishing":
-            # No backward left buckets in flight (e.g. a step after wait_grads()
-            # or a second step): the gradients are written back; update now.
-            self._state = UpdateState.IDLE
-            for groups in self._bucket_groups:
-                if groups:
-                    self._step_on([dict(hyper[g], params=ps) for g, ps in groups])
+            # No backward left buckets in flight (a step after wait_grads(), a
+            # second step, static_graph's first iteration): every gradient is
+            # in .grad; one step over everything, now.
+            self._step_on([dict(hyper[i], params=g["params"]) for i, g in enumerate(self.opt.param_groups)])
             return
+        if self._outside:
+            self._step_on([dict(hyper[g], params=ps) for g, ps in self._outside])
         jobs = {}
         for b in update_order(self._bucket_groups):
             groups = [dict(hyper[g], params=ps) for g, ps in self._bucket_groups[b]]
