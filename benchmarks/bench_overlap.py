@@ -27,6 +27,23 @@ step time against bucket cap, one panel per model, one colour per bandwidth,
 with each bandwidth's no-overlap baseline dashed. Records are on in every
 cell (the exposed column needs them); their cost per step is measured last,
 on the plain transport, records off and on in alternating rounds.
+
+With --optimizer adam (or sgd) the sweep times whole training iterations
+instead (opt.zero_grad + forward + backward + opt.step, steady state: --steps
+iterations back to back after a barrier, then a wait for the last updates,
+divided by --steps), per model x bandwidth x cap, two columns alternating
+within each round on the same link:
+
+    plain ms              pydist DDP, then opt.step() after backward
+    overlap_optimizer ms  model.overlap_optimizer(opt): each bucket updated as
+                          its all-reduce lands, the next forward waiting only
+                          for its own layers (docs/overlap-optimizer.md)
+    ratio                 overlap_optimizer / plain
+
+overlap_optimizer's update thread and the main thread share the GIL; on a
+machine with no spare core per rank, Python's default switch interval (5 ms)
+can hold a landed bucket's update (or the forward) for that long:
+--switch-interval 0.0002 shows the schedule without that convoy.
 """
 
 from __future__ import annotations
@@ -140,6 +157,67 @@ def _records_cost(model_name, rounds, steps, rank):
     return statistics.median(off), statistics.median(on)
 
 
+def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps, rank, optimizer, overlapped):
+    """ms per training iteration, steady state (see the module docstring)."""
+    from pydist import DistributedDataParallel as DDP
+
+    ddp = DDP(build_model(model_name), bucket_cap_mb=cap_mb, allreduce_chunk_mb=chunk_mb,
+              sim_net=f"{bandwidth_gbps}Gbps,{latency}")
+    opt = (torch.optim.Adam(ddp.parameters(), lr=1e-4) if optimizer == "adam"
+           else torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
+    if overlapped:
+        ddp.overlap_optimizer(opt)
+    x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
+
+    def iteration():
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+
+    for _ in range(3):  # the first rebuilds the buckets
+        iteration()
+    ddp.wait_updates()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        iteration()
+    ddp.wait_updates()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def optimizer_sweep(rank, world_size, args):
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)  # both columns alike
+    times: dict = {}
+    for _ in range(args.rounds):
+        for model_name in args.models:
+            for bw in args.bandwidths:
+                for cap in args.caps:
+                    for overlapped in (False, True):
+                        key = (model_name, bw, cap, overlapped)
+                        times.setdefault(key, []).append(_optimizer_cell(
+                            model_name, bw, args.latency, cap, args.chunks[0], args.steps, rank, args.optimizer,
+                            overlapped))
+    cells = []
+    for (m, bw, cap, overlapped), t in times.items():
+        if overlapped:
+            continue
+        plain, over = statistics.median(t), statistics.median(times[(m, bw, cap, True)])
+        cells.append({"model": m, "bandwidth_gbps": bw, "cap_mb": cap, "chunk_mb": args.chunks[0],
+                      "plain_ms": plain, "overlap_optimizer_ms": over, "ratio": over / plain})
+    return {"optimizer": args.optimizer, "optimizer_cells": cells}
+
+
+def print_optimizer_table(result, latency):
+    print(f"2 ranks, simulated link latency {latency}, {result['optimizer']}; ms per training iteration "
+          "(zero_grad + forward + backward + step, steady state), medians over rounds; rank 0")
+    print(f"{'model':<6} {'Gb/s':>6} {'cap MB':>7} {'chunk MB':>8} {'plain ms':>9} {'overlap_optimizer ms':>20} "
+          f"{'ratio':>6}")
+    for c in result["optimizer_cells"]:
+        print(f"{c['model']:<6} {c['bandwidth_gbps']:>6g} {c['cap_mb']:>7g} {c['chunk_mb']:>8g} {c['plain_ms']:>9.2f} "
+              f"{c['overlap_optimizer_ms']:>20.2f} {c['ratio']:>6.3f}")
+
+
 def sweep(rank, world_size, args):
     base_times: dict = {}
     cell_times: dict = {}
@@ -232,14 +310,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per cell per round")
     parser.add_argument("--cost-rounds", type=int, default=15)
+    parser.add_argument("--optimizer", choices=["adam", "sgd"],
+                        help="time training iterations, plain vs overlap_optimizer (first --chunks value)")
+    parser.add_argument("--switch-interval", type=float, metavar="S",
+                        help="sys.setswitchinterval in each rank (--optimizer sweep; Python's default is 0.005)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", metavar="PNG", help="e.g. benchmarks/bench_overlap.png")
     args = parser.parse_args()
     started = time.perf_counter()
-    result = run_ranks(sweep, 2, args=(args,), timeout=900)[0]
+    result = run_ranks(optimizer_sweep if args.optimizer else sweep, 2, args=(args,), timeout=900)[0]
     result["seconds"] = time.perf_counter() - started
     if args.json:
         print(json.dumps(result, indent=1))
+    elif args.optimizer:
+        print_optimizer_table(result, args.latency)
+        print(f"({result['seconds']:.0f} s)")
+        return
     else:
         print_table(result, args.latency)
         print(f"({result['seconds']:.0f} s)")

@@ -214,15 +214,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("transport", &Reducer::transport)
       .def("match_all_reduce_for_bwd_pass", &Reducer::match_all_reduce_for_bwd_pass, nogil)
       .def("match_unused_params_allreduce", &Reducer::match_unused_params_allreduce, nogil)
-      .def("pending_rebuild_order", &Reducer::pending_rebuild_order,
+      // Every method that takes the reducer's mutex releases the GIL first:
+      // with overlap_optimizer a worker thread may hold that mutex in
+      // finish_bucket while its write-back needs the GIL (letting go of a
+      // tensor Python also holds), so a caller holding the GIL would deadlock.
+      .def("pending_rebuild_order", &Reducer::pending_rebuild_order, nogil,
            "The order gradients became ready, when a bucket rebuild is due; else None")
-      .def("bucket_indices", &Reducer::bucket_indices)
-      .def_property_readonly("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets)
-      .def("last_record", &Reducer::last_record)
-      .def("iteration_records", &Reducer::iteration_records)
-      .def("clear_records", &Reducer::clear_records)
-      .def("set_record_timing", &Reducer::set_record_timing, py::arg("on"), py::arg("keep") = pydist::kDefaultRecordsKept)
-      .def("set_average_divisor", &Reducer::set_average_divisor);
+      .def("bucket_indices", &Reducer::bucket_indices, nogil)
+      .def_property_readonly("has_rebuilt_buckets", py::cpp_function(&Reducer::has_rebuilt_buckets, nogil))
+      .def("last_record", &Reducer::last_record, nogil)
+      .def("iteration_records", &Reducer::iteration_records, nogil)
+      .def("clear_records", &Reducer::clear_records, nogil)
+      .def("set_record_timing", &Reducer::set_record_timing, py::arg("on"), py::arg("keep") = pydist::kDefaultRecordsKept,
+           nogil)
+      .def("set_average_divisor", &Reducer::set_average_divisor, nogil)
+      .def("set_defer_finalize", &Reducer::set_defer_finalize, py::arg("on"), nogil)
+      .def_property_readonly("defer_finalize", py::cpp_function(&Reducer::defer_finalize, nogil))
+      .def("finish_bucket", &Reducer::finish_bucket, py::arg("bucket_index"), nogil)
+      .def("finish_all", &Reducer::finish_all, nogil)
+      .def_property_readonly("state", py::cpp_function(&Reducer::state, nogil));
 
   // pydist/fsdp's gradient copies: csrc/reducer/bucket.h, [Note: packing a
   // unit into a rank-major reduce-scatter input].

@@ -18,6 +18,7 @@ const char* state_name(ReducerState state) {
     case ReducerState::kIdle: return "Idle";
     case ReducerState::kArmed: return "Armed";
     case ReducerState::kReducing: return "Reducing";
+    case ReducerState::kFinishing: return "Finishing";
   }
   return "unknown";
 }
@@ -105,7 +106,7 @@ void Reducer::set_transport(std::shared_ptr<transport::Transport> transport) {
 }
 
 void Reducer::check_before_first_backward(const char* what) const {
-  TORCH_CHECK(num_iterations_ == 0 && state_ != ReducerState::kReducing, what,
+  TORCH_CHECK(num_iterations_ == 0 && state_ != ReducerState::kReducing && state_ != ReducerState::kFinishing, what,
               " must be called before the first backward (", num_iterations_, " reduced so far; the reducer is ",
               state_name(state_), ")");
 }
@@ -137,7 +138,7 @@ void Reducer::check_bucket_indices(const std::vector<std::vector<int64_t>>& indi
 }
 
 void Reducer::initialize_buckets(std::vector<std::vector<int64_t>> bucket_indices) {
-  TORCH_CHECK(state_ != ReducerState::kReducing, "Reducer: buckets cannot change while ", state_name(state_),
+  TORCH_CHECK(state_ != ReducerState::kReducing && state_ != ReducerState::kFinishing, "Reducer: buckets cannot change while ", state_name(state_),
               " (during backward)");
   check_bucket_indices(bucket_indices);
   buckets_.clear();
@@ -162,6 +163,8 @@ void Reducer::rebuild_buckets(std::vector<std::vector<int64_t>> bucket_indices) 
 std::optional<std::vector<int64_t>> Reducer::pending_rebuild_order() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!records_ready_order() || ready_order_.empty() || state_ == ReducerState::kReducing) return std::nullopt;
+  TORCH_CHECK(state_ != ReducerState::kFinishing, "Reducer.pending_rebuild_order: a rebuild is due but buckets are "
+              "still being finished (deferred finalize); finish them first");
   return ready_order_;
 }
 
@@ -194,6 +197,9 @@ std::string Reducer::describe_unready_params() const {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != ReducerState::kFinishing, "Reducer.prepare_for_backward: ", buckets_left_,
+              " bucket(s) of the previous backward are not finished yet (deferred finalize: "
+              "overlap_optimizer's updates must land before the next backward is armed)");
   TORCH_CHECK(state_ != ReducerState::kReducing,
               "Expected to have finished reduction in the prior iteration before starting a new one. "
               "Your module has parameters that were not used in producing the loss, so their "
@@ -249,7 +255,8 @@ void Reducer::autograd_hook(int64_t index) {
   if (dynamic_find_unused() || static_graph_first_iteration()) {
     if (params_[index].grad().defined()) local_used_.data_ptr<int>()[index] = 1;
   }
-  if (state_ == ReducerState::kIdle) return;  // no_sync, or a backward DDP was not armed for
+  // no_sync, or a backward DDP was not armed for
+  if (state_ == ReducerState::kIdle || state_ == ReducerState::kFinishing) return;
   if (static_graph_first_iteration()) {
     ++hook_calls_expected_[index];  // reduced all at once by delay_all_reduce
     return;
@@ -291,7 +298,11 @@ void Reducer::mark_param_ready(int64_t index) {
     if (dynamic_find_unused()) launch_local_used_allreduce();
     torch::autograd::Engine::get_default_engine().queue_callback([this] {
       std::lock_guard<std::mutex> lock(mutex_);
-      finalize_backward();
+      if (defer_finalize_) {
+        end_backward();
+      } else {
+        finalize_backward();
+      }
     });
   }
 }
@@ -378,38 +389,58 @@ void Reducer::delay_all_reduce() {
 void Reducer::finalize_backward() {
   // Runs with mutex_ held, once per reduced iteration, after autograd is done.
   RECORD_FUNCTION("pydist.Reducer.finalize_backward", std::vector<c10::IValue>());
-  TORCH_INTERNAL_ASSERT(state_ == ReducerState::kReducing, "finalize_backward while ", state_name(state_));
-  TORCH_INTERNAL_ASSERT(next_bucket_ == buckets_.size(), "finalize_backward before every bucket launched");
+  end_backward();
+  // Bucket by bucket, chunk by chunk: results of early chunks are written
+  // back while later ones are still on the wire.
+  for (size_t b = 0; b < buckets_.size(); ++b) finish_bucket_locked(b);
+}
+
+void Reducer::end_backward() {
+  // mutex_ held. Autograd is done and every bucket launched.
+  TORCH_INTERNAL_ASSERT(state_ == ReducerState::kReducing, "end_backward while ", state_name(state_));
+  TORCH_INTERNAL_ASSERT(next_bucket_ == buckets_.size(), "end_backward before every bucket launched");
+  pending_record_ = IterationRecord{};
+  if (recording_) pending_record_.backward_end_ns = now_ns();
+  state_ = ReducerState::kFinishing;
+  finished_.assign(buckets_.size(), false);
+  buckets_left_ = buckets_.size();
+}
+
+void Reducer::finish_bucket_locked(size_t bucket_index) {
+  // mutex_ held, Finishing, bucket not finished yet.
   const bool timing = recording_;
-  IterationRecord record;
-  if (timing) record.backward_end_ns = now_ns();
-  state_ = ReducerState::kIdle;
   if (local_used_work_) {
+    // The used map goes with every bucket's write-back (unused slots keep .grad).
     local_used_work_->wait();
     local_used_work_.reset();
     global_used_ = used_in_flight_.to(at::kCPU);
     used_in_flight_.reset();
   }
-  // Chunk by chunk: results of early chunks are written back while later
-  // ones are still on the wire.
-  for (Bucket& bucket : buckets_) {
-    for (size_t c = 0; c < bucket.chunks.size(); ++c) {
-      const Chunk& chunk = bucket.chunks[c];
-      const int64_t completed = chunk.future.wait();
-      if (timing && completed >= 0) {
-        bucket.record.chunks[c].complete_ns = completed - start_ns_;
-        bucket.record.complete_ns = std::max(bucket.record.complete_ns, completed - start_ns_);
-      }
-      // The reduced values: the bucket's own buffer, or what a comm hook returned.
-      placement_->write_back(bucket, chunk, transport_->result_of(chunk.future, bucket.buffer), global_used_);
+  Bucket& bucket = buckets_[bucket_index];
+  for (size_t c = 0; c < bucket.chunks.size(); ++c) {
+    const Chunk& chunk = bucket.chunks[c];
+    const int64_t completed = chunk.future.wait();
+    if (timing && completed >= 0) {
+      bucket.record.chunks[c].complete_ns = completed - start_ns_;
+      bucket.record.complete_ns = std::max(bucket.record.complete_ns, completed - start_ns_);
     }
-    if (timing) bucket.record.done_ns = now_ns();
+    // The reduced values: the bucket's own buffer, or what a comm hook returned.
+    placement_->write_back(bucket, chunk, transport_->result_of(chunk.future, bucket.buffer), global_used_);
   }
+  if (timing) bucket.record.done_ns = now_ns();
+  finished_[bucket_index] = true;
+  if (--buckets_left_ == 0) complete_iteration();
+}
+
+void Reducer::complete_iteration() {
+  // mutex_ held; every bucket written back.
+  state_ = ReducerState::kIdle;
   if (dynamic_find_unused()) local_used_.zero_();
   if (options_.static_graph && num_iterations_ > 0 && records_ready_order()) {
     for (int64_t unused : unused_params_) ready_order_.push_back(unused);
   }
-  if (timing) {
+  if (recording_) {
+    IterationRecord record = std::move(pending_record_);
     record.iteration = num_iterations_;
     record.rank = process_group_->getRank();
     record.transport = transport_->name();
@@ -421,11 +452,58 @@ void Reducer::finalize_backward() {
   ++num_iterations_;
 }
 
+void Reducer::set_defer_finalize(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_state(ReducerState::kIdle, "set_defer_finalize");
+  defer_finalize_ = on;
+}
+
+bool Reducer::defer_finalize() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return defer_finalize_;
+}
+
+bool Reducer::finish_bucket(int64_t bucket_index) {
+  // The wait for the wire happens without mutex_, so that the main thread's
+  // calls (records, state) are not held up by a bucket still in flight; the
+  // bucket layout cannot change while Finishing, and the write-back (where
+  // the futures are waited again, at once) takes the lock.
+  std::vector<transport::Future> in_flight;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(bucket_index >= 0 && static_cast<size_t>(bucket_index) < buckets_.size(),
+                "Reducer.finish_bucket: bucket ", bucket_index, " out of range (", buckets_.size(), " buckets)");
+    if (state_ != ReducerState::kFinishing || finished_[bucket_index]) return false;
+    for (const Chunk& chunk : buckets_[bucket_index].chunks) in_flight.push_back(chunk.future);
+  }
+  for (const transport::Future& future : in_flight) future.wait();
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(bucket_index >= 0 && static_cast<size_t>(bucket_index) < buckets_.size(),
+              "Reducer.finish_bucket: bucket ", bucket_index, " out of range (", buckets_.size(), " buckets)");
+  if (state_ != ReducerState::kFinishing || finished_[bucket_index]) return false;
+  RECORD_FUNCTION("pydist.Reducer.finish_bucket", std::vector<c10::IValue>());
+  finish_bucket_locked(static_cast<size_t>(bucket_index));
+  return true;
+}
+
+void Reducer::finish_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t b = 0; b < buckets_.size() && state_ == ReducerState::kFinishing; ++b) {
+    if (!finished_[b]) finish_bucket_locked(b);
+  }
+}
+
+std::string Reducer::state() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_name(state_);
+}
+
 // --- join: the collectives of a rank that has run out of data -------------
 
 void Reducer::match_all_reduce_for_bwd_pass() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(state_ != ReducerState::kReducing, "Reducer.match_all_reduce_for_bwd_pass: a joined rank is ",
+  TORCH_CHECK(state_ != ReducerState::kReducing && state_ != ReducerState::kFinishing,
+              "Reducer.match_all_reduce_for_bwd_pass: a joined rank is ",
               state_name(state_));
   std::vector<transport::Future> futures;
   for (size_t b = 0; b < buckets_.size(); ++b) {

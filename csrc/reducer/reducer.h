@@ -12,6 +12,16 @@
 //   finalize_backward               (C++, autograd engine callback at the
 //                                    end of backward: waits, writes back)
 //
+// or, with deferred finalize (DistributedDataParallel.overlap_optimizer):
+//
+//   end_backward                    (the same callback: waits for nothing)
+//   finish_bucket(b), any order     (Python, the update worker or a forward
+//                                    pre-hook: waits for bucket b, writes back)
+//   complete_iteration              (when the last bucket is finished)
+//
+// finalize_backward is exactly end_backward + finish_bucket for every bucket
+// in launch order + complete_iteration: one path either way.
+//
 // No Python runs per gradient. Every collective goes through one
 // transport::Transport (csrc/transport/transport.h), which keeps one Future
 // per piece in flight; a user's comm hook is a transport too (it runs once
@@ -30,6 +40,10 @@
 //   Reducing  the first gradient arrived (or static_graph's first iteration
 //             reduces everything at once): buckets launch; finalize_backward
 //             must run before the next arming, and returns to Idle.
+//   Finishing autograd ended with deferred finalize on (set_defer_finalize):
+//             every bucket is in flight or done; finish_bucket(b) waits for
+//             one and writes its gradients back; the last one returns to
+//             Idle. Arming, rebuilding and join's matching are refused here.
 // The bucket layout is Initial (the construction-time assignment) until the
 // wrapper rebuilds it, once, from the order gradients became ready (Rebuilt).
 // Whether that rebuild happens is the wrapper's decision
@@ -142,7 +156,7 @@ struct ReducerOptions {
 };
 
 // See [Note: reducer state].
-enum class ReducerState { kIdle, kArmed, kReducing };
+enum class ReducerState { kIdle, kArmed, kReducing, kFinishing };
 enum class BucketLayout { kInitial, kRebuilt };
 const char* state_name(ReducerState state);
 
@@ -225,6 +239,26 @@ class Reducer {
   // dynamic find-unused; does nothing otherwise.
   void match_unused_params_allreduce();
 
+  // Deferred finalize (see [Note: reducer state], the file comment): when on,
+  // the end of backward waits for no bucket and leaves the reducer
+  // Finishing. Idle only. Called by DistributedDataParallel.overlap_optimizer.
+  void set_defer_finalize(bool on);
+  bool defer_finalize() const;
+
+  // Finishing only: waits for bucket `bucket_index`'s collectives (and, the
+  // first time, the unused-parameter map) and writes its gradients back to
+  // .grad; the last bucket finished completes the iteration (its record,
+  // Idle). Returns false, doing nothing, when the reducer is not Finishing or
+  // the bucket is already finished. Thread-safe; Python calls it without the
+  // GIL, from the update worker or a forward pre-hook.
+  bool finish_bucket(int64_t bucket_index);
+
+  // Finishes every bucket not yet finished, in launch order. No-op unless Finishing.
+  void finish_all();
+
+  // The state's name ("Idle", "Armed", "Reducing", "Finishing").
+  std::string state() const;
+
   // Current bucket assignment, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
 
@@ -260,6 +294,9 @@ class Reducer {
   void launch_ready_chunks();
   void launch_chunk(size_t bucket_index, size_t chunk_index);
   void finalize_backward();
+  void end_backward();
+  void finish_bucket_locked(size_t bucket_index);
+  void complete_iteration();
 
   // --- helpers ---
   void check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const;
@@ -321,6 +358,14 @@ class Reducer {
   std::vector<int64_t> hook_calls_left_;
 
   int64_t num_iterations_ = 0;  // reduced iterations so far
+
+  // Deferred finalize: set_defer_finalize. While Finishing, which buckets
+  // were finished (written back) and how many are left; the record being
+  // filled (backward_end_ns set by end_backward).
+  bool defer_finalize_ = false;
+  std::vector<bool> finished_;
+  size_t buckets_left_ = 0;
+  IterationRecord pending_record_;
 
   // Records: see records.h. recording_ is options_.record_timing as it was
   // when this iteration was armed, so turning records on or off between

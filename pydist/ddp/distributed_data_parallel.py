@@ -38,6 +38,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from pydist import _C
 from pydist.ddp import buckets as bucketing
+from pydist.ddp.overlap_optimizer import OverlappedOptimizer, UpdateRecord
 from pydist.ddp.records import IterationRecord
 from pydist.ddp.state_sync import broadcast_tensors, verify_same_model
 from pydist.transport import open_shm
@@ -232,6 +233,8 @@ class DistributedDataParallel(_TorchDDP):
         self._comm_hook: tuple | None = None
         # torch's `logger` (a dist.Logger there): what _get_ddp_logging_data reports.
         self.logger = DDPLogger(self)
+        # overlap_optimizer's state (pydist/ddp/overlap_optimizer.py), or None.
+        self._overlap: OverlappedOptimizer | None = None
         overlap_hooks.attach(self)  # [overlap hook] PYDIST_TRACE, PYDIST_RECORD_PLAN, overlap.record()
 
     def _collect_params(self) -> None:
@@ -282,10 +285,12 @@ class DistributedDataParallel(_TorchDDP):
         """As torch DDP: the process group, reducer and transport stay behind;
         __setstate__ builds them again on the default group."""
         self._check_default_group()
+        self.wait_updates()
         state = dict(self.__dict__)
         # Dropped too: what _collect_params derives again in __setstate__.
         derived = ("_param_names", "_params", "_param_slots", "_param_dtypes", "_param_owner_snapshots")
-        for name in ("process_group", "reducer", "_shm", "logger", "_comm_hook", *derived):
+        # overlap_optimizer stays behind too: the copy has no optimizer attached.
+        for name in ("process_group", "reducer", "_shm", "logger", "_comm_hook", "_overlap", *derived):
             state.pop(name, None)
         return state
 
@@ -299,6 +304,7 @@ class DistributedDataParallel(_TorchDDP):
         # the others), so the copy all-reduces on the group.
         self._shm = None
         self._comm_hook = None  # torch does not carry comm hooks over either
+        self._overlap = None
         self.reducer = self._make_reducer()
         self.logger = DDPLogger(self)
 
@@ -349,6 +355,12 @@ class DistributedDataParallel(_TorchDDP):
         elif self._averaging_over_active_ranks:  # the join context has closed
             self.reducer.set_average_divisor(dist.get_world_size(self.process_group))
             self._averaging_over_active_ranks = False
+        if self._overlap is not None:
+            # See [Note: where overlap_optimizer waits].
+            if not self.reducer.has_rebuilt_buckets and bucketing.rebuilds_buckets(self.find_unused_parameters, self.static_graph):
+                self._overlap.wait_updates()  # the one-time rebuild needs every bucket finished
+            elif self._overlap.opt_grads_pending():
+                self._overlap.wait_updates()  # a backward nobody stepped on: its gradients are written back
         if torch.is_grad_enabled():
             self._maybe_rebuild_buckets()
             if self.require_backward_grad_sync:
@@ -364,6 +376,8 @@ class DistributedDataParallel(_TorchDDP):
 
     @torch._disable_dynamo
     def _post_forward(self, output):
+        if self._overlap is not None:
+            self._overlap.wait_updates()  # before any backward writes gradients again
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
             self.require_forward_param_sync = False
             return output
@@ -499,6 +513,8 @@ class DistributedDataParallel(_TorchDDP):
         self.static_graph = True
         self.reducer = None  # its destructor unhooks the parameters before the new one hooks them
         self.reducer = self._make_reducer()
+        if self._overlap is not None:
+            self.reducer.set_defer_finalize(True)
         if self._comm_hook is not None:
             self.reducer.set_comm_hook(*self._comm_hook)
         if self.find_unused_parameters:
@@ -557,6 +573,78 @@ class DistributedDataParallel(_TorchDDP):
         """The current buckets as lists of parameter indices, in launch order."""
         return self.reducer.bucket_indices()
 
+    # --- overlap_optimizer (pydist/ddp/overlap_optimizer.py) ---------------------
+
+    # [Note: where overlap_optimizer waits]
+    # After overlap_optimizer(opt), a backward leaves its buckets in flight
+    # and opt.step() returns at once; updates land bucket by bucket. What
+    # waits for them (pending updates, or a backward's gradients with no
+    # opt.step() after it):
+    #   - a forward: each module, before its forward, for the buckets of the
+    #     parameters registered on it; the whole forward at its end, before
+    #     a backward (synced or under no_sync) writes gradients again;
+    #   - the forward that rebuilds the buckets (the first ones only);
+    #   - model.state_dict() / load_state_dict() (of the wrapper or the
+    #     wrapped module), opt.state_dict() / opt.load_state_dict(), pickling
+    #     and deepcopy, join's hooks, model.zero_grad(), model.wait_updates();
+    #   - opt.zero_grad() does not wait: each bucket's grads are zeroed right
+    #     after its update.
+    # Not intercepted: reading p.data / p.grad directly (call wait_updates()
+    # or wait_grads() first), and a forward reading a parameter of a module
+    # whose own forward has not run yet.
+
+    def overlap_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """Apply ``opt`` bucket by bucket as each bucket's all-reduce lands.
+
+        From now on ``loss.backward()`` returns when autograd is done,
+        ``opt.step()`` returns at once, and each bucket's parameters are
+        updated by ``opt`` (its own param_groups, state and
+        hyperparameters as they were when ``step()`` was called) as soon as
+        the bucket's all-reduce completes; the next forward's modules wait
+        only for their own parameters. ``opt`` must be SGD, Adam or AdamW
+        (element-wise: for-loop, foreach or fused). See
+        docs/overlap-optimizer.md and [Note: where overlap_optimizer waits]."""
+        if opt is None:
+            self._detach_overlap()
+            return
+        if self._overlap is not None:
+            if self._overlap.opt is opt:
+                return
+            raise RuntimeError("overlap_optimizer: another optimizer is already attached to this model; "
+                               "call model.overlap_optimizer(None) first to detach it")
+        if self.reducer.state != "Idle":
+            raise RuntimeError(f"overlap_optimizer: call it between iterations (the reducer is {self.reducer.state})")
+        self._overlap = OverlappedOptimizer(self, opt)
+
+    def _detach_overlap(self) -> None:
+        if self._overlap is not None:
+            self._overlap.detach()
+            self._overlap = None
+
+    def wait_updates(self) -> None:
+        """Wait until every update overlap_optimizer queued has landed (and
+        the last backward's gradients are written back). No-op without it."""
+        if self._overlap is not None:
+            self._overlap.wait_updates()
+
+    def wait_grads(self) -> None:
+        """Wait until the last backward's gradients are averaged and in
+        .grad, before opt.step(): what clip_grad_norm_ and GradScaler.unscale_
+        need. It gives up this step's overlap of communication with the
+        optimizer (the updates still overlap the next forward)."""
+        if self._overlap is not None:
+            self._overlap.wait_grads()
+
+    def update_records(self) -> list[UpdateRecord]:
+        """overlap_optimizer's per-bucket records of the last steps (with
+        record_timing on): when each update landed and how long the next
+        forward waited for it."""
+        return [] if self._overlap is None else list(self._overlap.records)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait_updates()  # the updates in flight still read these gradients
+        super().zero_grad(set_to_none)
+
     # --- join (uneven inputs) -------------------------------------------------
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
@@ -604,6 +692,7 @@ class DistributedDataParallel(_TorchDDP):
         self.reducer.match_unused_params_allreduce()
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
+        self.wait_updates()
         src = self._find_common_rank(self._rank, is_last_joiner)
         states = [p for _, p in self._synced_params()]
         if self.broadcast_buffers:
@@ -624,6 +713,7 @@ class _DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
+        ddp.wait_updates()
         ddp._maybe_rebuild_buckets()
         if ddp._will_sync_buffers():
             ddp._sync_buffers(joined=True)

@@ -1,0 +1,497 @@
+"""DistributedDataParallel.overlap_optimizer: each bucket's parameters are
+updated as soon as that bucket's all-reduce lands, and the next forward waits
+only for the updates of the parameters it uses.
+
+    model = pydist.DistributedDataParallel(module)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.overlap_optimizer(opt)
+    for x in data:
+        opt.zero_grad()
+        model(x).sum().backward()   # returns when autograd is done
+        opt.step()                  # returns at once: updates land bucket by bucket
+
+The pipeline of one step (names in call order):
+
+    backward ends      the reducer's end_backward: every bucket is in flight,
+                       nothing waited for (reducer state Finishing)
+    opt.step()         queue_updates: hyperparameters snapshotted, one job per
+                       bucket queued in update_order
+    update worker      run_bucket(b): reducer.finish_bucket(b) (waits for b's
+                       all-reduce, writes its averaged grads to .grad), then the
+                       user's optimizer steps b's parameters only
+    next forward       each module's forward pre-hook: wait_for_buckets of the
+                       parameters registered on it (running a bucket's job on
+                       the main thread if the worker has not reached it)
+    end of forward     wait_updates: every update landed before any backward
+                       (synced or under no_sync) writes gradients again
+
+See docs/overlap-optimizer.md for what waits and what is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import queue
+import threading
+import time
+import types
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate"]
+
+# Optimizers whose update of a parameter reads only that parameter, its
+# gradient and its own state, so updating bucket by bucket gives the same
+# bits as one step over all parameters. See [Note: why element-wise only].
+_ELEMENT_WISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+# [Note: why element-wise only]
+# overlap_optimizer runs the user's optimizer once per bucket, on a view of
+# its param_groups holding that bucket's parameters. That equals one step
+# over every parameter exactly when each parameter's update depends on its
+# own gradient and state alone: SGD (momentum, nesterov, weight decay), Adam,
+# AdamW, in their for-loop, foreach and fused forms (foreach and fused batch
+# tensors but compute each element from the same operands). An optimizer that
+# reads the whole model (LBFGS: a closure re-running the model and a line
+# search over every parameter) or a step with a closure cannot be split, and
+# is refused by name; other classes are refused as not known to be
+# element-wise.
+
+
+class UpdateState(enum.Enum):
+    """Where the optimizer's updates stand (one per OverlappedOptimizer)."""
+
+    IDLE = "idle"                        # parameters and optimizer state are current
+    GRADS_IN_FLIGHT = "grads_in_flight"  # a backward ended with buckets in flight; opt.step() not called yet
+    UPDATING = "updating"                # opt.step() queued the updates; buckets land one by one
+
+
+@dataclass
+class BucketUpdate:
+    """One bucket's update in one step; times in ms since opt.step() was called."""
+
+    index: int                  # the reducer's bucket index (launch order)
+    num_params: int
+    landed_ms: float = -1.0     # its all-reduce had completed and grads were written back
+    update_start_ms: float = -1.0  # the optimizer began updating its parameters
+    updated_ms: float = -1.0    # the optimizer had updated its parameters
+    forward_wait_ms: float = 0.0  # how long the next forward's pre-hooks waited for it
+    thread: str = ""            # "worker" or "forward" (the main thread needed it first)
+
+
+@dataclass
+class UpdateRecord:
+    """What one opt.step() under overlap_optimizer did, per bucket, in update order."""
+
+    step: int
+    start_ns: int               # time.monotonic_ns() when opt.step() was called
+    buckets: list[BucketUpdate] = field(default_factory=list)
+
+    def report(self) -> str:
+        lines = [f"step {self.step}: bucket updates (ms since opt.step())",
+                 f"{'bucket':>6} {'params':>6} {'landed':>8} {'updated':>8} {'fwd wait':>8} {'by':>7}"]
+        for b in self.buckets:
+            lines.append(f"{b.index:>6} {b.num_params:>6} {b.landed_ms:>8.2f} {b.updated_ms:>8.2f} "
+                         f"{b.forward_wait_ms:>8.2f} {b.thread:>7}")
+        return "\n".join(lines)
+
+
+def update_order(bucket_indices: list[list[int]]) -> list[int]:
+    """The one place deciding in which order the worker takes buckets.
+
+    Launch order: on a first-in-first-out link a bucket launched earlier lands
+    earlier, so the worker updates each bucket as soon as it can. The next
+    forward's front layers (the last buckets launched) are taken by the main
+    thread the moment a forward pre-hook needs them (run_bucket claims a
+    bucket once, whichever thread gets there first)."""
+    return list(range(len(bucket_indices)))
+
+
+class _Job:
+    """One bucket's update in one step: claimed once, by the worker or the main thread."""
+
+    __slots__ = ("bucket", "groups", "claimed", "updated", "done", "error", "record")
+
+    def __init__(self, bucket: int, groups: list[dict], record: BucketUpdate):
+        self.bucket = bucket
+        self.groups = groups        # the bucket's view of param_groups (hyperparameters as at opt.step())
+        self.claimed = False        # guarded by OverlappedOptimizer._lock
+        self.updated = False        # its update is applied (guarded by the lock: the deferred zero_grad reads it)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.record = record
+
+
+class OverlappedOptimizer:
+    """Attaches ``opt`` to ``ddp`` (see the module docstring). Lives as long
+    as the wrapper; ``ddp._overlap`` holds it."""
+
+    def __init__(self, ddp, opt: torch.optim.Optimizer):
+        _check_optimizer(opt)
+        self._ddp = weakref.ref(ddp)  # no cycle: the wrapper owns this object
+        self.opt = opt
+        # The optimizer's own step, without its hooks (refused above) and
+        # without the per-call profiling wrapper: run once per bucket.
+        step = type(opt).step
+        self._real_step = getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+        self._real_zero_grad = type(opt).zero_grad
+        # IDLE or UPDATING (set here); GRADS_IN_FLIGHT is read off the reducer (see `state`).
+        self._state = UpdateState.IDLE
+        # Guards the jobs' claims and the deferred zero_grad.
+        self._lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}  # bucket index -> this step's job (UPDATING only)
+        # zero_grad(set_to_none) called while UPDATING: applied to each bucket after its update.
+        self._pending_zero: bool | None = None
+        self._steps = 0
+        self.records: deque[UpdateRecord] = deque(maxlen=ddp._records_kept)
+        # Bucket layout cache: (reducer layout key) -> per bucket, per group, its params.
+        self._layout_key = None
+        self._bucket_groups: list[list[tuple[int, list[torch.Tensor]]]] = []
+        self._outside: list[tuple[int, list[torch.Tensor]]] = []  # opt params no bucket holds: updated at step()
+        # Which buckets hold each parameter (by id), for the forward pre-hooks.
+        self._bucket_of: dict[int, int] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._queue),
+                                        name="pydist-overlap-optimizer", daemon=True)
+        self._worker.start()
+        self._hooks = self._install(ddp)
+        ddp.reducer.set_defer_finalize(True)
+
+    @property
+    def state(self) -> UpdateState:
+        if self._state is UpdateState.IDLE and self.opt_grads_pending():
+            return UpdateState.GRADS_IN_FLIGHT
+        return self._state
+
+    # --- lifecycle: attach ---------------------------------------------------
+
+    def _install(self, ddp) -> list:
+        opt = self.opt
+        me = weakref.ref(self)
+
+        # Each replacement falls back to the optimizer's own method once the
+        # wrapper (and this object with it) is gone.
+        def step(opt_self, closure=None):
+            if me() is None:
+                return type(opt_self).step(opt_self, closure)
+            if closure is not None:
+                raise RuntimeError(
+                    f"{type(opt_self).__name__}.step(closure): overlap_optimizer applies updates bucket by bucket "
+                    "after opt.step() returns, so a closure re-evaluating the model cannot run; call step() without "
+                    "a closure, or use DistributedDataParallel without overlap_optimizer")
+            opt_self._opt_called = True  # what an LR scheduler's step-order check reads
+            me().queue_updates()
+
+        def zero_grad(opt_self, set_to_none: bool = True):
+            if me() is None:
+                return type(opt_self).zero_grad(opt_self, set_to_none)
+            me().zero_grad(set_to_none)
+
+        def state_dict(opt_self):
+            if me() is not None:
+                me().wait_updates()
+            return type(opt_self).state_dict(opt_self)
+
+        def load_state_dict(opt_self, state_dict):
+            if me() is not None:
+                me().wait_updates()
+            return type(opt_self).load_state_dict(opt_self, state_dict)
+
+        # The instance attributes replaced here (an LR scheduler's step
+        # wrapper, say), put back by detach().
+        self._replaced = {}
+        for name, fn in (("step", step), ("zero_grad", zero_grad), ("state_dict", state_dict),
+                         ("load_state_dict", load_state_dict)):
+            if name in opt.__dict__:
+                self._replaced[name] = opt.__dict__[name]
+            setattr(opt, name, types.MethodType(fn, opt))
+        # An LR scheduler checks that opt.step is still its wrapper; ours sets
+        # the flag that wrapper would (_opt_called), so keep its mark.
+        step._wrapped_by_lr_sched = getattr(self._replaced.get("step"), "_wrapped_by_lr_sched", False) or None
+        if step._wrapped_by_lr_sched is None:
+            del step._wrapped_by_lr_sched
+
+        hooks = []
+        for module in ddp.module.modules():
+            own = [p for p in module.parameters(recurse=False)]
+            if own:
+                hooks.append(module.register_forward_pre_hook(_ForwardWait(me, own)))
+        hooks.append(ddp.module.register_state_dict_pre_hook(_WaitAll(me)))
+        hooks.append(ddp.module.register_load_state_dict_pre_hook(_WaitAll(me)))
+        return hooks
+
+    def detach(self) -> None:
+        """Undo overlap_optimizer: wait for the updates, restore the
+        optimizer's methods, remove the hooks, stop the worker."""
+        self.wait_updates()
+        for name in ("step", "zero_grad", "state_dict", "load_state_dict"):
+            self.opt.__dict__.pop(name, None)
+        self.opt.__dict__.update(self._replaced)
+        for h in self._hooks:
+            h.remove()
+        self._queue.put(None)
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp.reducer.set_defer_finalize(False)
+
+    def __del__(self):
+        self._queue.put(None)  # the worker ends
+
+    # --- the step: queue_updates -> run_bucket -> wait_updates -------------------
+
+    def _layout(self) -> None:
+        """Per bucket, per param group, the bucket's parameters (cached until
+        the buckets or the optimizer's param_groups change)."""
+        ddp = self._ddp()
+        groups = self.opt.param_groups
+        key = (ddp.reducer.has_rebuilt_buckets, id(ddp.reducer),
+               tuple(tuple(map(id, g["params"])) for g in groups))
+        if key == self._layout_key:
+            return
+        buckets = ddp.reducer.bucket_indices()
+        params = ddp._params
+        bucket_of = {id(params[i]): b for b, indices in enumerate(buckets) for i in indices}
+        self._bucket_of = bucket_of
+        per_bucket: list[dict[int, list]] = [{} for _ in buckets]
+        outside: dict[int, list] = {}
+        for g_index, g in enumerate(groups):
+            for p in g["params"]:
+                b = bucket_of.get(id(p))
+                (outside if b is None else per_bucket[b]).setdefault(g_index, []).append(p)
+        self._bucket_groups = [sorted(d.items()) for d in per_bucket]
+        self._outside = sorted(outside.items())
+        self._layout_key = key
+
+    def queue_updates(self) -> None:
+        """opt.step(): snapshot the hyperparameters of every param group (an
+        LR scheduler's change after this call applies to the next step, as
+        with torch), update the parameters no bucket holds now, and queue one
+        job per bucket."""
+        ddp = self._ddp()
+        if self._state is UpdateState.UPDATING:
+            self.wait_updates()  # two steps on one backward: the second reads the first's results, as torch
+        self._layout()
+        hyper = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
+                 for g in self.opt.param_groups]
+        record = UpdateRecord(self._steps, time.monotonic_ns())
+        self._steps += 1
+        if ddp.reducer.state != "Finishing":
+            # No backward left buckets in flight (a step after wait_grads(), a
+            # second step, static_graph's first iteration): every gradient is
+            # in .grad; one step over everything, now.
+            self._step_on([dict(hyper[i], params=g["params"]) for i, g in enumerate(self.opt.param_groups)])
+            return
+        if self._outside:
+            self._step_on([dict(hyper[g], params=ps) for g, ps in self._outside])
+        jobs = {}
+        for b in update_order(self._bucket_groups):
+            groups = [dict(hyper[g], params=ps) for g, ps in self._bucket_groups[b]]
+            rec = BucketUpdate(b, sum(len(ps) for _, ps in self._bucket_groups[b]))
+            record.buckets.append(rec)
+            jobs[b] = _Job(b, groups, rec)
+        with self._lock:
+            self._jobs = jobs
+            self._pending_zero = None
+        self._state = UpdateState.UPDATING
+        if ddp._record_timing:
+            self.records.append(record)
+        self._record_start = record.start_ns
+        for b in jobs:
+            self._queue.put((b, jobs[b]))
+
+    def run_bucket(self, job: _Job, thread: str) -> None:
+        """Wait for the bucket's all-reduce, then update its parameters: once
+        per job, by whichever thread claims it first."""
+        with self._lock:
+            if job.claimed:
+                return
+            job.claimed = True
+        try:
+            ddp = self._ddp()
+            ddp.reducer.finish_bucket(job.bucket)  # waits (GIL released) and writes grads back
+            job.record.landed_ms = job.record.update_start_ms = (time.monotonic_ns() - self._record_start) / 1e6
+            if job.groups:
+                self._step_on(job.groups)
+            job.record.updated_ms = (time.monotonic_ns() - self._record_start) / 1e6
+            job.record.thread = thread
+            with self._lock:
+                if self._pending_zero is not None:
+                    self._zero(job.groups, self._pending_zero)
+                job.updated = True
+        except BaseException as error:  # noqa: BLE001 - re-raised on the main thread by wait_*
+            job.error = error
+        finally:
+            job.done.set()
+
+    def _step_on(self, groups: list[dict]) -> None:
+        """The user's optimizer on a view holding ``groups`` (its state dict
+        shared, so state created here is the optimizer's own)."""
+        view = object.__new__(type(self.opt))
+        view.__dict__.update(self.opt.__dict__)
+        view.param_groups = groups
+        self._real_step(view)
+
+    def _zero(self, groups: list[dict], set_to_none: bool) -> None:
+        view = object.__new__(type(self.opt))
+        view.__dict__.update(self.opt.__dict__)
+        view.param_groups = groups
+        self._real_zero_grad(view, set_to_none)
+
+    def wait_for_buckets(self, buckets) -> None:
+        """The forward pre-hook's wait: these buckets' updates have landed
+        (run on this thread when the worker has not started them)."""
+        jobs = self._jobs
+        for b in buckets:
+            job = jobs.get(b)
+            if job is None or job.done.is_set():
+                continue
+            start = time.monotonic_ns()
+            self.run_bucket(job, "forward")
+            job.done.wait()
+            job.record.forward_wait_ms += (time.monotonic_ns() - start) / 1e6
+            if job.error is not None:
+                raise job.error
+
+    def wait_updates(self) -> None:
+        """Every queued update has landed; with no opt.step() after the last
+        backward, its gradients are written back (nothing updated)."""
+        ddp = self._ddp()
+        if self._state is UpdateState.UPDATING:
+            for job in self._jobs.values():
+                self.run_bucket(job, "forward")
+            errors = []
+            for job in self._jobs.values():
+                job.done.wait()
+                if job.error is not None:
+                    errors.append(job.error)
+            with self._lock:
+                self._jobs = {}
+                self._pending_zero = None
+            self._state = UpdateState.IDLE
+            if errors:
+                raise errors[0]
+        if ddp is not None and ddp.reducer.state == "Finishing":
+            ddp.reducer.finish_all()
+        self._state = UpdateState.IDLE
+
+    def wait_grads(self) -> None:
+        """The last backward's gradients are averaged and in .grad (before
+        opt.step(): for clip_grad_norm_ or GradScaler.unscale_). Costs the
+        overlap of communication with the optimizer for this step."""
+        ddp = self._ddp()
+        if self._state is UpdateState.UPDATING:
+            self.wait_updates()
+        if ddp.reducer.state == "Finishing":
+            ddp.reducer.finish_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """opt.zero_grad(): while updates are in flight, each bucket's grads
+        are zeroed right after its update (the update still reads them)."""
+        if self._state is UpdateState.GRADS_IN_FLIGHT or self.opt_grads_pending():
+            self.wait_grads()
+        if self._state is not UpdateState.UPDATING:
+            self._real_zero_grad(self.opt, set_to_none)
+            return
+        with self._lock:
+            self._pending_zero = set_to_none
+            for job in [job for job in self._jobs.values() if job.updated]:
+                self._zero(job.groups, set_to_none)
+        if self._outside:
+            self._zero([{"params": ps} for _, ps in self._outside], set_to_none)
+
+    def opt_grads_pending(self) -> bool:
+        """A backward ended and no opt.step() has queued its updates yet."""
+        ddp = self._ddp()
+        return self._state is not UpdateState.UPDATING and ddp is not None and ddp.reducer.state == "Finishing"
+
+
+def _gone():
+    return None
+
+
+class _Hook:
+    """A hook of the wrapped module holding the OverlappedOptimizer weakly. A
+    pickled or deep-copied module carries it inert (the copy has no
+    optimizer attached): a weak reference cannot be pickled."""
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_owner"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._owner = _gone
+
+    def __deepcopy__(self, memo):
+        copied = copy.copy(self)
+        copied._owner = _gone
+        return copied
+
+
+class _WaitAll(_Hook):
+    """state_dict / load_state_dict pre-hook: every update has landed."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def __call__(self, *args, **kwargs):
+        overlapped = self._owner()
+        if overlapped is not None:
+            overlapped.wait_updates()
+
+
+class _ForwardWait(_Hook):
+    """Forward pre-hook of a module owning parameters: wait for their buckets."""
+
+    def __init__(self, owner, params):
+        self._owner = owner
+        self._param_ids = [id(p) for p in params]
+
+    def __call__(self, module, args):
+        overlapped = self._owner()
+        if overlapped is None or overlapped._state is not UpdateState.UPDATING:
+            return None
+        bucket_of = overlapped._bucket_of
+        overlapped.wait_for_buckets(sorted({bucket_of[i] for i in self._param_ids if i in bucket_of}))
+        return None
+
+
+def _worker_loop(owner_ref, jobs: queue.SimpleQueue) -> None:
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        owner = owner_ref()
+        if owner is None:
+            return
+        owner.run_bucket(item[1], "worker")
+        del owner
+
+
+def _check_optimizer(opt) -> None:
+    """Refuse, naming the reason, an optimizer that cannot be split by bucket."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"overlap_optimizer: expected a torch.optim.Optimizer, got {type(opt).__name__}")
+    if isinstance(opt, torch.optim.LBFGS):
+        raise ValueError(
+            "overlap_optimizer: LBFGS is not element-wise: its step takes a closure that re-evaluates the whole "
+            "model and a line search over every parameter, so it cannot be applied bucket by bucket")
+    if type(opt) not in _ELEMENT_WISE:
+        raise ValueError(
+            f"overlap_optimizer: {type(opt).__name__} is not one of the optimizers known to update each parameter "
+            f"from its own gradient and state ({', '.join(t.__name__ for t in _ELEMENT_WISE)}); see [Note: why "
+            "element-wise only] in pydist/ddp/overlap_optimizer.py")
+    from torch.optim import optimizer as optim_module
+
+    hooks = [*opt._optimizer_step_pre_hooks.values(), *opt._optimizer_step_post_hooks.values(),
+             *optim_module._global_optimizer_pre_hooks.values(), *optim_module._global_optimizer_post_hooks.values()]
+    if hooks:
+        raise ValueError(
+            f"overlap_optimizer: the optimizer has {len(hooks)} step hook(s); they would run once per bucket, "
+            "after opt.step() returned. Remove them (or run their work before opt.step())")
+    if any(g.get("differentiable", False) for g in opt.param_groups):
+        raise ValueError("overlap_optimizer: differentiable=True optimizers are not supported (the update runs "
+                         "off the autograd graph, on another thread)")
