@@ -589,6 +589,8 @@ class DistributedDataParallel(_TorchDDP):
     #     and deepcopy, join's hooks, model.zero_grad(), model.wait_updates();
     #   - opt.zero_grad() does not wait: each bucket's grads are zeroed right
     #     after its update.
+    #   - torch's clip_grad_norm_ / get_total_norm and GradScaler.unscale_
+    #     (see [Note: clipping and loss scaling wait for the gradients]).
     # Not intercepted: reading p.data / p.grad directly (call wait_updates()
     # or wait_grads() first), and a forward reading a parameter of a module
     # whose own forward has not run yet.
@@ -629,8 +631,9 @@ class DistributedDataParallel(_TorchDDP):
 
     def wait_grads(self) -> None:
         """Wait until the last backward's gradients are averaged and in
-        .grad, before opt.step(): what clip_grad_norm_ and GradScaler.unscale_
-        need. It gives up this step's overlap of communication with the
+        .grad, before opt.step(), for code that reads .grad itself
+        (torch's clip_grad_norm_ and GradScaler.unscale_ wait by themselves).
+        It gives up this step's overlap of communication with the
         optimizer (the updates still overlap the next forward)."""
         if self._overlap is not None:
             self._overlap.wait_grads()

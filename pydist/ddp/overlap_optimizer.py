@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate"]
+__all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate", "wait_all_grads"]
 
 # Optimizers whose update of a parameter reads only that parameter, its
 # gradient and its own state, so updating bucket by bucket gives the same
@@ -111,6 +111,29 @@ def update_order(bucket_indices: list[list[int]]) -> list[int]:
     return list(range(len(bucket_indices)))
 
 
+# Every OverlappedOptimizer alive (weakly), for wait_all_grads.
+_LIVE: "weakref.WeakSet[OverlappedOptimizer]" = weakref.WeakSet()
+
+
+# [Note: clipping and loss scaling wait for the gradients]
+# Between loss.backward() and the updates, a bucket's .grad holds this rank's
+# gradient until its all-reduce lands. torch's clip_grad_norm_ (its norm) and
+# GradScaler.unscale_ (its inf check) read every gradient before the step, so
+# on those gradients they would compute a wrong norm, or miss an overflow,
+# silently. pydist already puts its own norm and inf check in torch's place
+# (pydist/fsdp/_clip_grad.py, _grad_scaler.py); both call wait_all_grads
+# first, which waits for every in-flight gradient of every live
+# overlap_optimizer. What it costs: that step's communication tail is exposed
+# as in plain DDP (the updates still overlap the next forward). With no
+# overlap_optimizer alive it is one look at an empty set.
+def wait_all_grads() -> None:
+    """Every live overlap_optimizer's gradients are averaged and in .grad.
+    See [Note: clipping and loss scaling wait for the gradients]."""
+    for overlapped in list(_LIVE):
+        if overlapped._state is not UpdateState.IDLE or overlapped.opt_grads_pending():
+            overlapped.wait_grads()
+
+
 class _Job:
     """One bucket's update in one step: claimed once, by the worker or the main thread."""
 
@@ -133,6 +156,7 @@ class OverlappedOptimizer:
     def __init__(self, ddp, opt: torch.optim.Optimizer):
         _check_optimizer(opt)
         self._ddp = weakref.ref(ddp)  # no cycle: the wrapper owns this object
+        _LIVE.add(self)  # see wait_all_grads
         self.opt = opt
         # The optimizer's own step, without its hooks (refused above) and
         # without the per-call profiling wrapper: run once per bucket.

@@ -35,6 +35,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _torch_clip_grad
 
+from pydist.ddp.overlap_optimizer import wait_all_grads
 from pydist.fsdp import _fsdp_collectives as collectives
 
 __all__ = ["clip_grad_norm_", "total_norm", "mark_shard_grads", "split_by_transport", "install"]
@@ -78,6 +79,7 @@ def total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float 
     """``torch.nn.utils.get_total_norm`` with the sharded gradients among
     ``tensors`` counted over every rank. See [Note: the global norm of
     sharded gradients]."""
+    wait_all_grads()  # see [Note: clipping and loss scaling wait for the gradients]
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     sharded, rest = split_by_transport(tensors)
     if not sharded:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.ddp.overlap_optimizer import wait_all_grads
 from pydist.fsdp._clip_grad import split_by_transport
 
 __all__ = ["install"]
@@ -33,6 +34,7 @@ _torch_unscale_grads = torch.amp.GradScaler._unscale_grads_
 
 
 def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+    wait_all_grads()  # see [Note: clipping and loss scaling wait for the gradients]
     per_device = _torch_unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16)
     sharded, _ = split_by_transport(p.grad for group in optimizer.param_groups for p in group["params"]
                                     if p.grad is not None)

@@ -73,6 +73,8 @@ class Run:
     scheduler: bool = False     # StepLR halving lr every 2 steps
     set_to_none: bool = True
     checkpoint_at: int = -1     # pydist: checkpoint after this many steps, resume in a fresh model
+    clip: bool = False          # torch's clip_grad_norm_ between backward and opt.step() (no wait_grads)
+    scaler: bool = False        # torch.amp.GradScaler's scale / step / update (no wait_grads)
 
 
 def _optimizer(name: str, params):
@@ -117,6 +119,7 @@ def _train(impl: str, run: Run, rank: int, record=None):
     if record is not None:
         record(ddp)
     losses = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if run.scaler else None
     for step in range(run.steps):
         if step == run.checkpoint_at:
             state = copy.deepcopy(ddp.module.state_dict())  # waits for the updates in flight
@@ -133,9 +136,16 @@ def _train(impl: str, run: Run, rank: int, record=None):
             sync = contextlib.nullcontext() if micro == run.micro - 1 else ddp.no_sync()
             with sync:
                 loss = F.mse_loss(ddp(x, use_branch=(step + rank) % 3 != 0), y)
-                loss.backward()
+                (scaler.scale(loss) if scaler else loss).backward()
             losses.append(loss.detach().clone())
-        opt.step()
+        if run.clip:  # reads every averaged gradient: see [Note: clipping and loss scaling wait for the gradients]
+            losses.append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            losses.append(torch.tensor(scaler.get_scale()))
+        else:
+            opt.step()
         if sched:
             sched.step()
     module_state = {k: v.clone() for k, v in ddp.module.state_dict().items()}
@@ -166,8 +176,8 @@ def _assert_same(a, b, exact: bool, what: str):
 
 
 RUNS_2 = [
-    Run(optimizer="sgd", steps=8),
-    Run(optimizer="adam_foreach", steps=6, micro=2, bn=True, scheduler=True),
+    Run(optimizer="sgd", steps=8, scaler=True),
+    Run(optimizer="adam_foreach", steps=6, micro=2, bn=True, scheduler=True, clip=True),
     Run(optimizer="adamw_fused", steps=6, branch=True, set_to_none=False),
     Run(optimizer="adamw", steps=6, scheduler=True, checkpoint_at=3),
     Run(optimizer="sgd", steps=6, micro=2, branch=True, bn=True, checkpoint_at=2),
