@@ -30,8 +30,10 @@ def _model(kind, slow: bool):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
-    if slow:  # the last layer's backward runs first: every gradient after it comes later
-        model[-1].register_full_backward_hook(lambda *_: busy_wait(DELAY_S))
+    # The last layer's backward runs first: every gradient after it comes
+    # later. Every rank has the hook (its own cost is then alike); one waits in it.
+    wait = DELAY_S if slow else 0.0
+    model[-1].register_full_backward_hook(lambda *_: busy_wait(wait))
     if kind == "ddp":
         return pydist.DistributedDataParallel(model)
     for layer in model:
