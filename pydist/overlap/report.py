@@ -25,6 +25,7 @@ __all__ = ["TraceStep", "steps_from_trace", "report_text", "report_json", "strag
            "STRAGGLER_MS"]
 
 STRAGGLER_MS = 1.0  # a rank whose gradients are ready this much later than all others' (median over steps) is named
+STRAGGLER_SHARE = 0.75  # ... if it was that late in at least this share of the steps
 
 
 class TraceStep(NamedTuple):
@@ -162,11 +163,13 @@ def _bucket_label(index: int, args: dict) -> str:
 # wrapper and step number across ranks), rank r's *lead* is how much later
 # its gradients were ready than every other rank's, 0 when some rank was
 # later still: that is how long it held the others. A rank whose median lead
-# over the steps all ranks recorded is at least ``threshold_ms`` is a
-# straggler, ``delay_ms`` that median, ``steps`` the number of steps it
+# over the steps all ranks recorded is at least ``threshold_ms``, and who
+# held the others that long in at least STRAGGLER_SHARE of those steps, is
+# a straggler: ``delay_ms`` that median, ``steps`` the number of steps it
 # held the others by at least ``threshold_ms``. Balanced ranks take turns
-# at being last by noise, so their medians stay near 0. Traces of one rank
-# name none.
+# at being last by noise, so their medians stay near 0, and a rank that an
+# oversubscribed machine happens to slow now and then is not last in three
+# steps of four. Traces of one rank name none.
 def stragglers(steps: list[TraceStep], threshold_ms: float = STRAGGLER_MS) -> list[dict]:
     """Most delaying first: see [Note: stragglers]."""
     ready: dict[tuple, dict[int, float]] = collections.defaultdict(dict)
@@ -185,8 +188,9 @@ def stragglers(steps: list[TraceStep], threshold_ms: float = STRAGGLER_MS) -> li
     found = []
     for (r, wrapper), values in leads.items():
         delay = median(values)
-        if delay >= threshold_ms:
-            found.append({"rank": r, "delay_ms": round(delay, 3), "steps": sum(v >= threshold_ms for v in values),
+        held = sum(v >= threshold_ms for v in values)
+        if delay >= threshold_ms and held >= STRAGGLER_SHARE * len(values):
+            found.append({"rank": r, "delay_ms": round(delay, 3), "steps": held,
                           "of_steps": len(values), "wrapper": wrapper})
     return sorted(found, key=lambda f: -f["delay_ms"])
 
