@@ -16,6 +16,18 @@ backward could not hide (plus writing results back). On NCCL a collective's
 future completes once its kernels are enqueued, so there ``complete_ms``
 marks the enqueue, not the end of the transfer.
 
+[Note: one record schema]
+The sharded wrapper (pydist/fsdp) publishes its iterations in these types
+too, so that the overlap lab reads one kind of record: a "bucket" is one of
+its collectives (an all-gather or a reduce-scatter of a unit, or of a batch
+of units sent as one), with ``unit``, ``phase`` and ``needed_ms`` set, and
+one chunk naming the collective. Its record starts at the root's forward
+(``backward_start_ms`` says where backward began), and a collective's
+exposed time is how long the compute thread waited for it, ``complete_ms -
+needed_ms``, forward or backward (see [Note: exposed communication]).
+A reduce-scatter's ``first_grad_ms`` and ``last_grad_ms`` are its issue:
+the unit's gradients were ready then.
+
 torch.profiler stamps its events on another clock; ``profiler_clock_offset_ns()``
 converts (see [Note: record clocks] in csrc/reducer/records.h).
 """
@@ -55,6 +67,10 @@ class BucketTiming:
     complete_ms: float    # its last collective finished
     done_ms: float        # finalize had waited for it and written its grads back
     chunks: tuple[ChunkTiming, ...] = ()  # its collectives, in launch order
+    # A sharded wrapper's collective (see [Note: one record schema]); a DDP bucket leaves them as they are.
+    unit: str = ""           # the units it carries, "+"-joined ("" for the root unit)
+    phase: str = ""          # "forward", "backward", "forward_prefetch", ...
+    needed_ms: float = -1.0  # the compute thread began waiting for it (-1: finalize's order decides, DDP)
 
     def hidden_ms(self, backward_end_ms: float) -> float:
         """How long its communication ran while autograd was still computing."""
@@ -74,6 +90,7 @@ class IterationRecord:
     backward_end_ms: float
     finalize_end_ms: float
     buckets: list[BucketTiming]
+    backward_start_ms: float = 0.0  # DDP's record starts at backward; a sharded wrapper's at its root's forward
 
     @classmethod
     def from_reducer(cls, record) -> "IterationRecord | None":

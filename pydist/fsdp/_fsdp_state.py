@@ -217,6 +217,11 @@ class FSDPState:
         # forward that raised leaves it set). See [Note: an iteration that raised].
         self._forward_open = False
         self.backward_end_ns = -1  # when autograd finished this iteration's backward (the final callback began)
+        # Root: who is handed each iteration's records as its backward ends
+        # (the overlap lab: see subscribe), and what only they need stamped.
+        self.subscribers: list = []
+        self.forward_start_ns = self.backward_start_ns = -1
+        self.record_indices: dict = {}  # see _records.iteration_record
         # Root only, during its forward: the tensor a unit's post-forward hooked
         # last, and its hook (see [Note: how a unit learns its backward is
         # done]); dropped at the root's post-forward, so no tensor outlives it here.
@@ -298,7 +303,11 @@ class FSDPState:
         # the shared-memory transport does not carry falls back to the group.
         samples = [torch.empty(0, dtype=dt) for s in self.all_states if (pg := s.param_group) is not None
                    for dt in {pg.dtype, pg.compute_dtype, pg.reduce_dtype}]
+        from pydist.overlap import hooks as overlap_hooks  # the marked hook point (imported once, here)
+
         transport = collectives.open_transport(self.group, samples, self.shm)
+        # [overlap hook] PYDIST_SIM_NET puts a simulated link in front
+        transport = overlap_hooks.sharded_transport(transport)
         pool = self.pool = UnshardPool()  # see [Note: the unsharded buffer's memory]
         for state in self.all_states:
             if state.param_group is not None:
@@ -318,6 +327,14 @@ class FSDPState:
                              for s in self.all_states if s.param_group is not None]
         self._sharded_params = [fp.sharded_param for pg in self._units for fp in pg.fsdp_params]
         self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]  # (taken up)
+        overlap_hooks.sharded_root(self)  # [overlap hook] PYDIST_TRACE subscribes
+
+    def subscribe(self, subscriber) -> None:
+        """Root: ``subscriber(record)`` is called at the end of every
+        backward with that iteration's collectives, a
+        ``pydist.ddp.records.IterationRecord`` (see [Note: one record schema]
+        there). The overlap lab subscribes through pydist/overlap/hooks.py."""
+        self.subscribers.append(subscriber)
 
     # [Note: every rank wraps the same model]
     # Every rank must call fully_shard on the same submodules, over the same
@@ -502,6 +519,8 @@ class FSDPState:
             self._built_checked = True
         self._forward_open = True
         self.iteration += 1
+        if self.subscribers:
+            self.forward_start_ns, self.backward_start_ns = time.monotonic_ns(), -1
         if self.forward_plan is not None:
             self.forward_plan.reshard_kept()  # no backward came for them
         self.forward_plan = (GatherPlan(self.forward_order, self.batch_bytes, "forward", self.forward_plan)
@@ -561,6 +580,12 @@ class FSDPState:
                 pg.finalize_backward()
         self.pool.release()  # see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
+        if self.subscribers and self.forward_start_ns >= 0:
+            from pydist.fsdp._records import iteration_record
+
+            record = iteration_record(self, time.monotonic_ns())
+            for subscriber in self.subscribers:
+                subscriber(record)
 
     def _agree_on_grads(self) -> bool:
         """Sums the units' had_grad flags over the ranks, so that every rank
@@ -873,6 +898,8 @@ class FSDPState:
 
     def _begin_backward(self) -> None:
         """Root, at the first backward hook of an iteration: the final callback and the plans."""
+        if self.subscribers:
+            self.backward_start_ns = time.monotonic_ns()
         self.final_callback_queued = True
         Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
         self._plan_backward()

@@ -62,6 +62,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         _refuse(True, f"offload_policy={offload_policy!r} (only OffloadPolicy() so far)")
     if state_of(module) is not None:
         raise RuntimeError(f"pydist.fully_shard: {type(module).__name__} is already fully_shard'ed")
+    from pydist.overlap import hooks as overlap_hooks
+
+    overlap_hooks.sharded_made()  # [overlap hook] a PYDIST_SIM_NET it cannot read is refused here, as DDP does
     group = _process_group if _process_group is not None else _group_of(mesh)
     named = _managed_params(module)
     for fqn, p, _ in named:

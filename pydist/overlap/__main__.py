@@ -3,12 +3,14 @@
     python -m pydist.overlap merge DIR [-o DIR/merged.json]      every DIR/rank*.json
     python -m pydist.overlap merge a.json b.json -o merged.json
     python -m pydist.overlap report TRACE.json [--plot OUT.png] [--step N] [--rank R]
+    python -m pydist.overlap report DIR [--json]                  every DIR/rank*.json, merged in memory
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import sys
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("inputs", nargs="+", help="a PYDIST_TRACE directory, or trace files")
     merge.add_argument("-o", "--output", help="default: merged.json beside the inputs")
     rep = commands.add_parser("report", help="per-bucket table of a trace; --plot draws one step")
-    rep.add_argument("trace")
+    rep.add_argument("trace", help="a trace file (one rank's or merged) or a PYDIST_TRACE directory")
+    rep.add_argument("--json", action="store_true", help="print one JSON object (stragglers included) instead")
     rep.add_argument("--plot", metavar="OUT.png", help="draw one step's timeline (needs matplotlib)")
     rep.add_argument("--step", type=int, help="the step to draw (default: the worst by exposed time)")
     rep.add_argument("--rank", type=int, help="the rank to draw (default: the first in the trace)")
@@ -59,8 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"merged {len(paths)} traces (ranks {document['otherData']['merged_ranks']}) into {output}")
         return 0
     try:
-        document = trace.load_trace(args.trace)
-        text = report.report_text(document)
+        if os.path.isdir(args.trace):
+            try:
+                document = trace.merge_traces(_rank_files([args.trace]))
+            except SystemExit as exc:  # no rank files there
+                raise ValueError(str(exc).replace("pydist.overlap merge: ", "")) from None
+        else:
+            document = trace.load_trace(args.trace)
+        text = (json.dumps(report.report_json(document), indent=1) + "\n" if args.json
+                else report.report_text(document))
     except ValueError as exc:
         text = str(exc)
         where = "" if text.startswith(f"{args.trace}:") else f"{args.trace}: "  # the report's errors name no file

@@ -19,6 +19,11 @@ most exposed time. A bucket's *hidden* time is the part of its
 communication that ran while autograd was still computing. Chunks (see
 [Note: chunked launches] in csrc/reducer/reducer.h) get the same split,
 each against its bucket's ready time.
+
+A sharded wrapper's collectives (see [Note: one record schema] in
+pydist/ddp/records.py) carry the time the compute thread began waiting for
+them, ``needed_ms``, forward or backward: there ``ready_b = needed_b`` and
+nothing is written back after the wait (the gradients are handed out in it).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class BucketOverlap(NamedTuple):
 
 class StepOverlap(NamedTuple):
     iteration: int
-    backward_ms: float          # prepare_for_backward to the end of autograd
+    backward_ms: float          # prepare_for_backward (a sharded wrapper: its root's forward) to the end of autograd
     step_comm_ms: float         # first launch to last completion
     exposed_ms: float           # sum of the buckets' exposed time
     finalize_ms: float          # end of autograd to grads written back
@@ -57,9 +62,14 @@ def analyze_step(record) -> StepOverlap:
     previous_done = end
     out: list[BucketOverlap] = []
     for b in sorted(record.buckets, key=lambda b: b.index):
-        ready = max(end, previous_done)
-        exposed = max(0.0, b.complete_ms - ready)
-        write_back = max(0.0, b.done_ms - max(ready, b.complete_ms))
+        needed = getattr(b, "needed_ms", -1.0)
+        if needed >= 0:  # a sharded wrapper's collective: the wait is its own
+            ready, write_back = needed, 0.0
+            exposed = max(0.0, b.complete_ms - ready)
+        else:
+            ready = max(end, previous_done)
+            exposed = max(0.0, b.complete_ms - ready)
+            write_back = max(0.0, b.done_ms - max(ready, b.complete_ms))
         out.append(
             BucketOverlap(
                 index=b.index,
@@ -72,8 +82,9 @@ def analyze_step(record) -> StepOverlap:
                 wait_start_ms=ready,
             )
         )
-        previous_done = max(previous_done, b.done_ms)
-    exposed_buckets = [b for b in out if b.exposed_ms > 0]
+        if needed < 0:
+            previous_done = max(previous_done, b.done_ms)
+    exposed_buckets = sorted((b for b in out if b.exposed_ms > 0), key=lambda b: (b.wait_start_ms, b.index))
     launches = [b.launch_ms for b in record.buckets if b.launch_ms >= 0]
     completes = [b.complete_ms for b in record.buckets if b.complete_ms >= 0]
     return StepOverlap(

@@ -7,6 +7,12 @@ marked hooks, so that environment variables change an unchanged script.
     reducer_made(ddp, reducer)      after it is built: PYDIST_REPLAY
     attach(ddp)                     end of __init__: PYDIST_TRACE, overlap.record()
 
+and what the sharded wrapper (pydist.fully_shard, FullyShardedDataParallel) calls:
+
+    sharded_made()                  fully_shard(): a PYDIST_SIM_NET it cannot read is refused
+    sharded_transport(transport)    the root opens its units' transport: PYDIST_SIM_NET
+    sharded_root(state)             the root's first forward: PYDIST_TRACE subscribes to its records
+
 Each does nothing (no clock read, no hook registered) when its variable is
 unset and the lab was not asked for.
 """
@@ -20,7 +26,7 @@ import sys
 from pydist.overlap import network, plans, recording
 from pydist.overlap import trace as trace_module
 
-__all__ = ["transport_for", "p2p_delay", "attach_pipeline", "reducer_made", "attach", "TraceSession"]
+__all__ = ["sharded_made", "sharded_transport", "sharded_root", "transport_for", "p2p_delay", "attach_pipeline", "reducer_made", "attach", "TraceSession"]
 
 
 def transport_for(ddp, transport):
@@ -38,6 +44,35 @@ def transport_for(ddp, transport):
         return parts.build(cross=network.sim_net(parts.cross, link))
     inner = transport if transport is not None else transports.ProcessGroupTransport(ddp.process_group)
     return network.sim_net(inner, link)
+
+
+def sharded_made() -> None:
+    """Reads PYDIST_SIM_NET (raising ValueError on what it cannot read), so
+    that ``fully_shard`` refuses it when called, as DDP's construction does."""
+    network.link_from_env()
+
+
+def sharded_transport(transport):
+    """The transport a sharded root's units share: ``transport`` behind the
+    PYDIST_SIM_NET link (across hosts, its cross-host leg), or unchanged."""
+    link = network.link_from_env()
+    if link is None:
+        return transport
+    from pydist import transport as transports
+
+    parts = transports.hierarchical_parts(transport)
+    linked = (parts.build(cross=network.sim_net(parts.cross, link)) if parts is not None
+              else network.sim_net(transport, link))
+    linked.set_stamp_completion(True)  # the units' records read completion times
+    return linked
+
+
+def sharded_root(state) -> None:
+    """PYDIST_TRACE=DIR: this rank's trace takes the root's records of each
+    iteration (``state.subscribe``)."""
+    directory = os.environ.get(trace_module.ENV, "").strip()
+    if directory:
+        TraceSession.get(directory).add_sharded(state)
 
 
 def p2p_delay():
@@ -78,6 +113,22 @@ def attach_pipeline(schedule) -> None:
         TraceSession.get(directory).add_pipeline(schedule)
 
 
+class PublishedLog:
+    """The records a wrapper published (a sharded root's, one per
+    iteration), as a StepLog holds a DDP wrapper's."""
+
+    def __init__(self, limit: int = 10_000):
+        import collections
+
+        self.records = collections.deque(maxlen=limit)
+
+    def take(self, record) -> None:
+        self.records.append(record)
+
+    def drain(self) -> None:
+        """Nothing to copy: the wrapper hands each record over as it ends."""
+
+
 class TraceSession:
     """This process's trace: the wrappers it follows and when it writes
     ``DIR/rank{R}.json`` (process group destroyed, exit, uncaught exception)."""
@@ -108,6 +159,11 @@ class TraceSession:
     def add(self, ddp, number: int) -> None:
         recording.record(ddp, keep=recording.DEFAULT_KEEP)
         self.logs[number] = recording._log_of(ddp)
+
+    def add_sharded(self, state) -> None:
+        log = PublishedLog()
+        state.subscribe(log.take)
+        self.logs[recording._new_number()] = log
 
     def add_pipeline(self, schedule) -> None:
         schedule.set_record_timing(True)

@@ -43,10 +43,16 @@ def wrappers() -> list:
     return [w for _, w in sorted(_wrappers.items())]
 
 
-def _register(ddp) -> int:
+def _new_number() -> int:
+    """The next wrapper number (a trace's tracks are numbered by it)."""
     global _next_id
     number = _next_id
     _next_id += 1
+    return number
+
+
+def _register(ddp) -> int:
+    number = _new_number()
     _wrappers[number] = ddp
     if _record_all_keep is not None:
         record(ddp, keep=_record_all_keep)

@@ -1,4 +1,7 @@
-"""Chrome trace JSON (Perfetto, chrome://tracing) from the reducer's records.
+"""Chrome trace JSON (Perfetto, chrome://tracing) from the wrappers' records:
+DDP's reducer's, and a sharded root's (each collective a "bucket" of its
+own, named by kind, units and phase; see [Note: one record schema] in
+pydist/ddp/records.py).
 
     PYDIST_TRACE=traces/ torchrun --nproc_per_node=2 train.py   # any unchanged script
     python -m pydist.overlap merge traces/ -o traces/merged.json
@@ -70,16 +73,23 @@ def step_events(record, rank: int, wrapper: int = 0) -> list[dict]:
     tid = lambda track: wrapper * _TRACKS_PER_WRAPPER + track  # noqa: E731
     step = analyze_step(record)
     it = record.iteration
+    backward_start = getattr(record, "backward_start_ms", 0.0)
+    grads = [b.last_grad_ms for b in record.buckets if b.last_grad_ms >= 0]
     events = [
         _slice(f"step {it}", "step", rank, tid(TRACK_STEPS), us(0.0), us(record.finalize_end_ms), {
             "step": it, "bytes": sum(b.bytes for b in record.buckets),
             "backward_end_ms": record.backward_end_ms, "finalize_end_ms": record.finalize_end_ms,
             "exposed_ms": step.exposed_ms, "waited_last": step.waited_last, "stalling": step.stalling,
-            "transport": getattr(record, "transport", ""),
+            "transport": getattr(record, "transport", ""), "rank": getattr(record, "rank", rank),
+            # this rank's last gradient ready: where the report finds stragglers
+            "grads_ready_ms": max(grads) if grads else record.backward_end_ms,
         }),
-        _slice("backward", "compute", rank, tid(TRACK_BACKWARD), us(0.0), us(record.backward_end_ms),
+        _slice("backward", "compute", rank, tid(TRACK_BACKWARD), us(backward_start), us(record.backward_end_ms),
                {"step": it}),
     ]
+    if backward_start > 0:  # a sharded wrapper's record starts at its forward
+        events.append(_slice("forward", "compute", rank, tid(TRACK_BACKWARD), us(0.0), us(backward_start),
+                             {"step": it}))
     by_index = {b.index: b for b in record.buckets}
     for o in step.buckets:
         b = by_index[o.index]
@@ -88,13 +98,14 @@ def step_events(record, rank: int, wrapper: int = 0) -> list[dict]:
             events.append(_slice(f"grads of bucket {b.index}", "grads", rank, tid(TRACK_GRADS),
                                  us(b.first_grad_ms), us(b.last_grad_ms), {**common, "num_params": b.num_params}))
         if b.launch_ms >= 0:
-            events.append(_slice(f"bucket {b.index}", "comm", rank, tid(TRACK_BUCKET0 + b.index), us(b.launch_ms),
+            events.append(_slice(bucket_name(b), "comm", rank, tid(TRACK_BUCKET0 + b.index), us(b.launch_ms),
                                  us(b.complete_ms), {
                                      **common, "num_params": b.num_params,
                                      "first_grad_ms": b.first_grad_ms, "last_grad_ms": b.last_grad_ms,
                                      "launch_ms": b.launch_ms, "complete_ms": b.complete_ms, "done_ms": b.done_ms,
                                      "exposed_ms": o.exposed_ms, "hidden_ms": o.hidden_ms,
                                      "write_back_ms": o.write_back_ms, "chunks": len(getattr(b, "chunks", ()) or ()),
+                                     **_sharded_args(b),
                                  }))
         if o.exposed_ms > 0:
             events.append(_slice(f"wait bucket {b.index}", "exposed", rank, tid(TRACK_EXPOSED), us(o.wait_start_ms),
@@ -114,13 +125,27 @@ def step_events(record, rank: int, wrapper: int = 0) -> list[dict]:
     return events
 
 
-def _metadata(rank: int, wrappers: Iterable[int], buckets: dict[int, int]) -> list[dict]:
+def bucket_name(b) -> str:
+    """A DDP bucket's name, or a sharded wrapper's collective's: kind, units, phase."""
+    if not getattr(b, "phase", ""):
+        return f"bucket {b.index}"
+    return f"{b.chunks[0].collective if b.chunks else 'collective'} {b.unit or '(root)'} ({b.phase})"
+
+
+def _sharded_args(b) -> dict:
+    if not getattr(b, "phase", ""):
+        return {}
+    return {"unit": b.unit, "phase": b.phase, "collective": b.chunks[0].collective if b.chunks else "",
+            "needed_ms": b.needed_ms}
+
+
+def _metadata(rank: int, wrappers: Iterable[int], buckets: dict[int, dict[int, str]]) -> list[dict]:
     events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
               {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
     for w in wrappers:
         prefix = f"ddp {w} " if w else ""
         names = dict(_TRACK_NAMES)
-        names.update({TRACK_BUCKET0 + b: f"bucket {b}" for b in range(buckets.get(w, 0))})
+        names.update({TRACK_BUCKET0 + b: name for b, name in sorted(buckets.get(w, {}).items())})
         for track, name in names.items():
             tid = w * _TRACKS_PER_WRAPPER + track
             events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": prefix + name}})
@@ -156,12 +181,12 @@ def trace_document(logs: dict[int, list], rank: int, stage_records=()) -> dict:
     """A Chrome trace of one rank: ``logs`` maps a wrapper number to its
     IterationRecords; ``stage_records`` are pipeline StageRecords."""
     events: list[dict] = stage_events(stage_records, rank) if stage_records else []
-    buckets: dict[int, int] = {}
+    buckets: dict[int, dict[int, str]] = {}
     transports = set()
     for w, records in logs.items():
         for rec in records:
             events += step_events(rec, rank, w)
-            buckets[w] = max(buckets.get(w, 0), len(rec.buckets))
+            buckets.setdefault(w, {}).update({b.index: bucket_name(b) for b in rec.buckets})
             transports.add(getattr(rec, "transport", ""))
     return {
         "traceEvents": _metadata(rank, logs.keys(), buckets) + events,
