@@ -87,6 +87,46 @@ void reset_for_iteration(Bucket& bucket) {
 
 // --- a sharded unit's gradients ------------------------------------------------
 
+namespace {
+
+// pack_rank_major off the CPU (a CUDA unit): the same cuts of the layout, each
+// piece one ATen op on the caller's current stream. The scaled pieces are
+// torch's `mul` by a Python scalar, which rounds as ops::scaled_copy does
+// (opmath product, rounded back), so a CUDA pack is bitwise the CPU one.
+void pack_rank_major_on_device(const std::vector<std::optional<at::Tensor>>& grads,
+                               const std::vector<int64_t>& numels, const at::Tensor& out, int64_t world_size,
+                               int64_t column, int64_t shard_numel, double scale) {
+  at::NoGradGuard no_grad;
+  const int64_t row = out.numel() / world_size;
+  auto emit = [&](int64_t start, int64_t n, const at::Tensor* src) {
+    int64_t taken = 0;
+    while (n > 0) {
+      const int64_t len = std::min(n, shard_numel - start % shard_numel);
+      at::Tensor dst = out.narrow(0, (start / shard_numel) * row + column + start % shard_numel, len);
+      if (src == nullptr) {
+        dst.zero_();
+      } else if (scale == 1.0) {
+        dst.copy_(src->narrow(0, taken, len));
+      } else {
+        at::mul_out(dst, src->narrow(0, taken, len), at::scalar_tensor(scale, at::kDouble));
+      }
+      start += len;
+      n -= len;
+      taken += len;
+    }
+  };
+  int64_t at_element = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const bool present = grads[i].has_value() && grads[i]->defined();
+    const at::Tensor flat = present ? grads[i]->view(-1) : at::Tensor();
+    emit(at_element, numels[i], present ? &flat : nullptr);
+    at_element += numels[i];
+  }
+  emit(at_element, world_size * shard_numel - at_element, nullptr);
+}
+
+}  // namespace
+
 void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const std::vector<int64_t>& numels,
                      const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel, double scale) {
   // Checked before the complex branch, which builds one numel per gradient.
@@ -105,8 +145,8 @@ void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const 
     pack_rank_major(parts, part_numels, at::view_as_real(out).view(-1), world_size, 2 * column, 2 * shard_numel, scale);
     return;
   }
-  TORCH_CHECK(out.is_cpu() && out.dim() == 1 && out.is_contiguous(),
-              "pack_rank_major: out must be a contiguous 1-D CPU tensor, got ", out.sizes(), " on ", out.device());
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), "pack_rank_major: out must be a contiguous 1-D tensor, got ",
+              out.sizes(), " on ", out.device());
   TORCH_CHECK(world_size >= 1 && out.numel() % world_size == 0, "pack_rank_major: out has ", out.numel(),
               " elements, not world_size (", world_size, ") rows");
   const int64_t row = out.numel() / world_size;
@@ -118,14 +158,19 @@ void pack_rank_major(const std::vector<std::optional<at::Tensor>>& grads, const 
     total += numels[i];
     if (!grads[i].has_value() || !grads[i]->defined()) continue;
     const at::Tensor& g = *grads[i];
-    TORCH_CHECK(g.is_cpu() && g.is_contiguous() && g.scalar_type() == out.scalar_type() && g.numel() == numels[i],
+    TORCH_CHECK(g.device() == out.device() && g.is_contiguous() && g.scalar_type() == out.scalar_type() &&
+                    g.numel() == numels[i],
                 "pack_rank_major: grads[", i, "] is ", g.scalar_type(), g.sizes(), " on ", g.device(),
-                g.is_contiguous() ? "" : " (not contiguous)", "; a contiguous CPU ", out.scalar_type(), " tensor of ",
-                numels[i], " elements expected");
+                g.is_contiguous() ? "" : " (not contiguous)", "; a contiguous ", out.scalar_type(), " tensor of ",
+                numels[i], " elements on ", out.device(), " expected");
   }
   TORCH_CHECK(total <= world_size * shard_numel, "pack_rank_major: ", total, " elements do not fit ", world_size,
               " shards of ", shard_numel);
   if (shard_numel == 0) return;
+  if (!out.is_cpu()) {
+    pack_rank_major_on_device(grads, numels, out, world_size, column, shard_numel, scale);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "pack_rank_major", [&] {
     scalar_t* base = out.data_ptr<scalar_t>();
     // Elements [start, start + n) of the layout from `src` (nullptr: zeros),
@@ -211,8 +256,8 @@ void hand_out_grads(const at::Tensor& output, const std::vector<at::Tensor>& par
 // --- a sharded unit's unsharded buffer in a pool slot ------------------------------
 
 void point_storage_into(const at::Tensor& buffer, const at::Tensor& slot, int64_t offset_bytes) {
-  TORCH_CHECK(buffer.device().is_cpu() && slot.device().is_cpu(), "point_storage_into: buffer on ", buffer.device(),
-              ", slot on ", slot.device(), "; the pool is CPU memory");
+  TORCH_CHECK(buffer.device() == slot.device(), "point_storage_into: buffer on ", buffer.device(), ", slot on ",
+              slot.device(), "; a unit's pool is on its parameters' device");
   TORCH_CHECK(buffer.is_contiguous() && buffer.storage_offset() == 0 && slot.is_contiguous(),
               "point_storage_into: buffer and slot must be contiguous, the buffer at storage offset 0 (it is at ",
               buffer.storage_offset(), ")");

@@ -100,6 +100,26 @@ Future Transport::all_gather_many(std::vector<at::Tensor> inputs, std::vector<st
   };
   auto pending = std::make_shared<Pending>(Pending{std::move(joined), std::move(gathered), std::move(outputs)});
   const bool stamp = stamp_completion();
+  if (!pending->gathered.is_cpu()) {
+    // A device collective completes on the host before its copies are done
+    // on the group's streams (gloo stages a CUDA all-gather through pinned
+    // memory and copies back on a stream of its own; only its Work::wait
+    // orders the caller's stream behind that copy). So the copy out runs on
+    // the waiting thread, on its current stream, after the group's wait.
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+    auto once = std::make_shared<std::once_flag>();
+    auto copy_out = [inner, pending, per_rank, n, done, once, stamp] {
+      std::call_once(*once, [&] {
+        const int64_t completed = inner.wait();
+        for (int64_t q = 0; q < n; ++q) {
+          ops::unflatten_into(pending->gathered.narrow(0, q * per_rank, per_rank),
+                              pending->outputs[static_cast<size_t>(q)], 1.0);
+        }
+        done->markCompleted(stamp ? steady_now_ns() : completed);
+      });
+    };
+    return Future(std::move(done), std::move(copy_out), inner.inner(), std::move(pending));
+  }
   auto done = inner.ivalue()->then(
       [pending, per_rank, n, stamp](c10::ivalue::Future& finished) -> c10::IValue {
         if (finished.hasError()) std::rethrow_exception(finished.exception_ptr());

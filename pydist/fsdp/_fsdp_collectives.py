@@ -6,7 +6,7 @@ csrc/transport/transport.h).
     transport = open_transport(group, samples, shm=None) # collective, once per root
     fut = all_gather_unit(transport, shard, unsharded)   # unshard one unit
     fut = all_gather_units(transport, shards, outputs, rank_views, dtype)  # several units, one collective
-    rs = reduce_scatter_grads(transport, grads, numels, shard_numel, dtype)  # post-backward, a lone unit
+    rs = reduce_scatter_grads(transport, grads, numels, shard_numel, dtype, device)  # post-backward, a lone unit
     rs.future.wait(); rs.output                          # this rank's summed shard
     pack_unit_grads(transport, grads, numels, rs_input, world_size, column, shard_numel)  # into a batch's input
 
@@ -205,7 +205,7 @@ def reference_pack_unit_grads(grads: Sequence[torch.Tensor | None], numels: Sequ
                               world_size: int, column: int, shard_numel: int, scale: float) -> None:
     """The obviously-correct pack_unit_grads (pure torch): the unit's padded
     flat layout, times ``scale``, then shard q into row q's column."""
-    flat = torch.zeros(world_size * shard_numel, dtype=out.dtype)
+    flat = torch.zeros(world_size * shard_numel, dtype=out.dtype, device=out.device)
     offset = 0
     for grad, numel in zip(grads, numels):
         if grad is not None:
@@ -223,37 +223,41 @@ class ReduceScatterResult(NamedTuple):
 
 
 def reduce_scatter_grads(transport, grads: Sequence[torch.Tensor | None], numels: Sequence[int], shard_numel: int,
-                         dtype) -> ReduceScatterResult:
+                         dtype, device: torch.device | str = "cpu") -> ReduceScatterResult:
     """A lone unit: packs its gradients into its padded flat layout and
     starts reducing them, averaged over the ranks, into this rank's shard."""
     world_size = transport.world_size
-    rs_input = torch.empty(world_size * shard_numel, dtype=dtype)
+    rs_input = torch.empty(world_size * shard_numel, dtype=dtype, device=device)
     pack_unit_grads(transport, grads, numels, rs_input, world_size, 0, shard_numel)
-    rs_output = torch.empty(shard_numel, dtype=dtype)
+    rs_output = torch.empty(shard_numel, dtype=dtype, device=device)
     future = transport.reduce_scatter(rs_input, rs_output, transport_scale(transport))
     return ReduceScatterResult(future, rs_input, rs_output)
 
 
 def all_reduce_grads(transport, grads: Sequence[torch.Tensor | None], numels: Sequence[int], numel: int,
-                     dtype) -> ReduceScatterResult:
+                     dtype, device: torch.device | str = "cpu") -> ReduceScatterResult:
     """NO_SHARD: packs the unit's gradients and starts averaging them in place
     over the ranks; ``output`` is the whole averaged flat."""
-    flat = torch.empty(numel, dtype=dtype)
+    flat = torch.empty(numel, dtype=dtype, device=device)
     pack_unit_grads(transport, grads, numels, flat, 1, 0, numel)
     future = transport.all_reduce(flat, transport_scale(transport))
     return ReduceScatterResult(future, flat, flat)
 
 
-def all_reduce_sum(transport, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (a small tensor) summed over the ranks, through the transport."""
-    value = value.contiguous().clone()
-    transport.all_reduce(value, 1.0).wait()
-    return value
+def all_reduce_sum(transport, value: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``value`` (a small tensor) summed over the ranks, through the
+    transport, sent from ``device`` (the units' device: NCCL carries no CPU
+    tensor) and returned where ``value`` is."""
+    sent = value.to(device, copy=True) if device is not None else value.clone()
+    sent = sent.contiguous()
+    transport.all_reduce(sent, 1.0).wait()
+    return sent.to(value.device)
 
 
-def all_gather_small(transport, value: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``value`` (a small tensor), stacked in rank order."""
-    value = value.reshape(-1).contiguous()
-    out = value.new_empty(value.numel() * transport.world_size)
-    transport.all_gather(value, out).wait()
-    return out.view(transport.world_size, -1)
+def all_gather_small(transport, value: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Every rank's ``value`` (a small tensor), stacked in rank order; sent
+    from ``device`` as ``all_reduce_sum``, returned where ``value`` is."""
+    sent = (value.to(device) if device is not None else value).reshape(-1).contiguous()
+    out = sent.new_empty(sent.numel() * transport.world_size)
+    transport.all_gather(sent, out).wait()
+    return out.view(transport.world_size, -1).to(value.device)

@@ -159,18 +159,22 @@ class FSDPParamGroup:
                 f"pydist.fully_shard({label}): the parameters of one unit must share a dtype ({listing}); "
                 "call fully_shard on submodules so each unit has one dtype"
             )
-        devices = {p.device.type for _, p, _ in named_params}
+        devices = {p.device for _, p, _ in named_params}
         for n, p, _ in named_params:
-            if p.device.type not in ("cpu", "meta") or len(devices) > 1:
+            if p.device.type not in ("cpu", "cuda", "meta") or len(devices) > 1:
                 raise NotImplementedError(
                     f"pydist.fully_shard({label}): parameter {n} is on {p.device}"
-                    + (f" and others of the unit on {sorted(devices - {p.device.type})}" if len(devices) > 1 else "")
-                    + "; pydist shards CPU parameters, or a unit all on the meta device (see [Note: a unit built on "
-                    "the meta device])"
+                    + (f" and others of the unit on {sorted(map(str, devices - {p.device}))}" if len(devices) > 1
+                       else "")
+                    + "; pydist shards a unit whose parameters are all on one CPU or CUDA device, or all on the meta "
+                    "device (see [Note: a unit built on the meta device])"
                 )
         # See [Note: a unit built on the meta device]: "meta" until
         # to_empty, "full" until the unit's first use, then None.
-        self.materializing: str | None = "meta" if devices == {"meta"} else None
+        self.materializing: str | None = "meta" if {d.type for d in devices} == {"meta"} else None
+        # Where the shard, the unsharded buffer and the gradients live: the
+        # parameters' device (a meta unit's: the one to_empty gives it).
+        self.device: torch.device = next(iter(devices), torch.device("cpu"))
         # Per parameter, a digest of the values this rank built (int64; set
         # when the unit is laid out, dropped when a state dict loads into it):
         # see [Note: every rank builds the same model] in _fsdp_state.py.
@@ -213,7 +217,7 @@ class FSDPParamGroup:
         # The all-gather's output; the unsharded parameters are views of it.
         # Holds memory only while unsharded: see [Note: the unsharded buffer's memory].
         if sharded:
-            self.unsharded = torch.empty(self.padded_numel, dtype=self.compute_dtype)
+            self.unsharded = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
             self.unsharded.untyped_storage().resize_(0)
         else:
             self.unsharded = self.shard
@@ -335,12 +339,12 @@ class FSDPParamGroup:
         every rank built the same values (see [Note: every rank builds the
         same model])."""
         with torch.no_grad():
-            full = torch.zeros(self.padded_numel, dtype=self.dtype)
+            full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
             if params:
                 from pydist import ops
 
                 ops.flatten([p.detach() for p in params], out=full.narrow(0, 0, self.total_numel))
-            self.built_digests = _digests(full, [p.shape for p in params])
+            self.built_digests = _digests(full.cpu(), [p.shape for p in params])  # once, at setup
             return full.narrow(0, self.shard_start, self.shard_numel).clone()
 
     # [Note: a unit built on the meta device]
@@ -387,26 +391,32 @@ class FSDPParamGroup:
                         f"pydist.fully_shard({self.label}): moving or casting a fully_shard'ed module (Module._apply: "
                         f".to(), .float(), .half(), .share_memory() ...) replaced parameter {fp.fqn}, which pydist's "
                         "unit no longer sees; the model is broken. Move or cast the module before fully_shard "
-                        "(pydist shards CPU parameters; for a compute dtype, use mp_policy=MixedPrecisionPolicy(...))"
+                        "(pydist shards parameters where they are; for a compute dtype, use "
+                        "mp_policy=MixedPrecisionPolicy(...))"
                     )
 
     def _adopt_applied(self) -> None:
         for fp in self.fsdp_params:
             first = fp.module_infos[0]
             p = first.module._parameters[first.name]
-            if p.device.type not in ("cpu", "meta") or p.dtype != self.dtype or p.shape != fp.shape:
+            if p.device.type not in ("cpu", "cuda", "meta") or p.dtype != self.dtype or p.shape != fp.shape:
                 raise NotImplementedError(
                     f"pydist.fully_shard({self.label}): parameter {fp.fqn} of a unit built on the meta device became "
-                    f"{p.dtype} {tuple(p.shape)} on {p.device}; pydist materializes it on the CPU in the dtype "
-                    f"fully_shard saw ({self.dtype}): call module.to_empty(device='cpu')"
+                    f"{p.dtype} {tuple(p.shape)} on {p.device}; pydist materializes it on a CPU or CUDA device in "
+                    f"the dtype fully_shard saw ({self.dtype}): call module.to_empty(device='cpu') (or 'cuda')"
                 )
             for info in fp.module_infos[1:]:
                 info.module._parameters[info.name] = p  # to_empty makes one Parameter per place: tie them again
             p._pydist_fsdp_param = fp
             fp.sharded_param = p
             fp.requires_grad = p.requires_grad
-            if p.device.type == "cpu":
+            if p.device.type != "meta":
+                if self.materializing == "full" and p.device != self.device:
+                    raise NotImplementedError(
+                        f"pydist.fully_shard({self.label}): parameter {fp.fqn} was materialized on {p.device}, others "
+                        f"of its unit on {self.device}; a unit's parameters live on one device")
                 self.materializing = "full"
+                self.device = p.device
         self._sharded_regs = self._registrations("sharded_param")
         self._take_up_requires_grad()
 
@@ -424,6 +434,9 @@ class FSDPParamGroup:
                 "or load a state dict) before its first forward, state dict or unshard"
             )
         self.shard = self._shard_of([fp.sharded_param for fp in self.fsdp_params])
+        if self.unsharded.device != self.device:  # built on meta: no view of it exists yet
+            self.unsharded = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self.unsharded.untyped_storage().resize_(0)
         for fp in self.fsdp_params:
             fp.sharded_param.data = self.shard.narrow(0, fp.local_start - self.shard_start, fp.local_numel)
         self.materializing = None
@@ -657,10 +670,10 @@ class FSDPParamGroup:
                 batch.add(self, grads)
             elif self.sharded:
                 self._reduce = collectives.reduce_scatter_grads(self.transport, grads, self._numels, self.shard_numel,
-                                                                self.reduce_dtype)
+                                                                self.reduce_dtype, self.device)
             else:
                 self._reduce = collectives.all_reduce_grads(self.transport, grads, self._numels, self.padded_numel,
-                                                            self.dtype)
+                                                            self.dtype, self.device)
             for fp in self.fsdp_params:  # packed: the reduce-scatter input holds them now
                 fp.accumulated_grad = None
                 if fp.unsharded_param is not None:
@@ -1020,8 +1033,9 @@ class PoolSlot:
     (``place``) and gives its part back at reshard (``give_back``); free
     again once the last has. See [Note: the unsharded buffer's memory]."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, device: torch.device):
         self.index = index
+        self.device = device  # the root's units' device
         self.memory: torch.Tensor | None = None  # uint8; grows within an iteration; freed by UnshardPool.release
         self.base = 0  # the memory's address
         # The units pointing into it now: id -> (unit, offset in bytes).
@@ -1044,7 +1058,7 @@ class PoolSlot:
             )
         if self.nbytes < nbytes:
             self.memory = None  # no unit points into it: free the old memory first
-            self.memory = torch.empty(nbytes, dtype=torch.uint8)
+            self.memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.base = self.memory.data_ptr()
         self.taken = True
         self.placed_end = 0
@@ -1100,8 +1114,8 @@ class UnshardPool:
     """The memory a root's units unshard into: POOL_SLOTS ``PoolSlot``s.
     See [Note: the unsharded buffer's memory]."""
 
-    def __init__(self, num_slots: int = POOL_SLOTS):
-        self.slots = [PoolSlot(i) for i in range(num_slots)]
+    def __init__(self, device: torch.device = torch.device("cpu"), num_slots: int = POOL_SLOTS):
+        self.slots = [PoolSlot(i, device) for i in range(num_slots)]
 
     def take(self, nbytes: int) -> PoolSlot | None:
         """A free slot of at least ``nbytes`` (one that already is, else a
@@ -1181,7 +1195,9 @@ class GradBatch:
     a time, not one per batch, and writes into memory the process already
     has, where fresh memory (above glibc's mmap threshold, or given back to
     the kernel at the end of the last iteration) costs a page fault per
-    page at its first write."""
+    page at its first write. On CPU only: a device collective is "done" on
+    the host while its stream may still read the input, and the caching
+    allocator already reuses device memory in stream order."""
 
     def __init__(self, layout: ReduceLayout, siblings: list["GradBatch"]):
         self.layout = layout
@@ -1221,14 +1237,14 @@ class GradBatch:
     def _input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
         if self.input is None:
             numel = self.world_size * self.row
-            for other in self.siblings:
+            for other in self.siblings if pg.device.type == "cpu" else ():
                 spare = other.input
                 if (other.launched and spare is not None and spare.numel() >= numel and spare.dtype == pg.reduce_dtype
                         and other.future.done()):
                     other.input = None  # its collective is done with it: see the class's docstring
                     self.input = spare.narrow(0, 0, numel)
                     return self.input
-            self.input = torch.empty(numel, dtype=pg.reduce_dtype)
+            self.input = torch.empty(numel, dtype=pg.reduce_dtype, device=pg.device)
         return self.input
 
     def _arrive(self, pg: FSDPParamGroup) -> None:
@@ -1248,7 +1264,7 @@ class GradBatch:
                     column = self.columns[id(pg)]
                     rows[:, column:column + pg.shard_numel].zero_()
         transport = self.arrived[0].transport
-        self.output = torch.empty(self.row, dtype=self.input.dtype)
+        self.output = torch.empty(self.row, dtype=self.input.dtype, device=self.input.device)
         self.issued_ns = time.monotonic_ns()
         self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
 

@@ -301,14 +301,22 @@ class FSDPState:
                     None) if state is not self else None
         # One tensor of each dtype the units communicate in, so that a dtype
         # the shared-memory transport does not carry falls back to the group.
-        samples = [torch.empty(0, dtype=dt) for s in self.all_states if (pg := s.param_group) is not None
-                   for dt in {pg.dtype, pg.compute_dtype, pg.reduce_dtype}]
+        devices = {s.param_group.device for s in self.all_states if s.param_group is not None}
+        if len(devices) > 1:
+            raise NotImplementedError(
+                f"pydist.fully_shard: the units under root {type(self.module).__name__} are on "
+                f"{sorted(map(str, devices))}; every unit of one root must be on one device")
+        # Where the units live: the pool's memory, and the small collectives'
+        # values (the group may carry only that device's tensors: NCCL).
+        self.device = devices.pop() if devices else torch.device("cpu")
+        samples = [torch.empty(0, dtype=dt, device=self.device) for s in self.all_states
+                   if (pg := s.param_group) is not None for dt in {pg.dtype, pg.compute_dtype, pg.reduce_dtype}]
         from pydist.overlap import hooks as overlap_hooks  # the marked hook point (imported once, here)
 
         transport = collectives.open_transport(self.group, samples, self.shm)
         # [overlap hook] PYDIST_SIM_NET puts a simulated link in front
         transport = overlap_hooks.sharded_transport(transport)
-        pool = self.pool = UnshardPool()  # see [Note: the unsharded buffer's memory]
+        pool = self.pool = UnshardPool(self.device)  # see [Note: the unsharded buffer's memory]
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.transport = transport
@@ -361,13 +369,13 @@ class FSDPState:
         digest = hashlib.sha256(text).digest()
         head = torch.tensor([len(text), int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")],
                             dtype=torch.float64)
-        table = collectives.all_gather_small(self.transport, head)  # (ranks, 3)
+        table = collectives.all_gather_small(self.transport, head, self.device)  # (ranks, 3)
         if bool((table == table[0]).all()):
             return
         lengths = [int(n) for n in table[:, 0].tolist()]
         mine = torch.zeros(max(lengths), dtype=torch.float64)
         mine[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.float64)
-        rows = collectives.all_gather_small(self.transport, mine)
+        rows = collectives.all_gather_small(self.transport, mine, self.device)
         wrappings = [json.loads(bytes(int(b) for b in row[:n].tolist())) for row, n in zip(rows, lengths)]
         raise RuntimeError(_wrapping_difference(wrappings, type(self.module).__name__))
 
@@ -402,7 +410,7 @@ class FSDPState:
                      (digests >> 32).to(torch.float64), (digests & 0xFFFFFFFF).to(torch.float64)]
         if not rows:
             return
-        table = collectives.all_gather_small(self.transport, torch.cat(rows))  # (ranks, values)
+        table = collectives.all_gather_small(self.transport, torch.cat(rows), self.device)  # (ranks, values)
         start = 0
         for pg in units:
             n = len(pg.fsdp_params)
@@ -596,7 +604,7 @@ class FSDPState:
         if not units:
             return False
         flags = torch.tensor(list(itertools.chain.from_iterable(pg.had_grad for pg in units)), dtype=torch.float32)
-        counts = collectives.all_reduce_sum(self.transport, flags).tolist()
+        counts = collectives.all_reduce_sum(self.transport, flags, self.device).tolist()
         if all(counts):  # every parameter had a gradient on some rank: the common case, in one pass
             all_trainable = True
             for pg in units:
@@ -655,7 +663,7 @@ class FSDPState:
             if gathering is None:
                 self._checked_order, self._checked_row = list(self.forward_order), row
         row[1] = self.iteration
-        rows = collectives.all_gather_small(self.transport, row).tolist()
+        rows = collectives.all_gather_small(self.transport, row, self.device).tolist()
         # The forward's number only explains a mismatch: ranks that run the
         # same units in the same order pair their collectives whatever it is.
         if all(r[:1] + r[2:] == rows[0][:1] + rows[0][2:] for r in rows):

@@ -137,14 +137,17 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"pydist.FullyShardedDataParallel: param_init_fn must be callable, got {param_init_fn!r}")
         _refuse(backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE), f"backward_prefetch={backward_prefetch}")
         _refuse(not use_orig_params, "use_orig_params=False")
-        _refuse(device_id is not None and torch.device(device_id).type != "cpu", f"device_id={device_id}")
+        device = torch.device(device_id) if device_id is not None else None
+        _refuse(device is not None and device.type not in ("cpu", "cuda"), f"device_id={device_id}")
         group = process_group
         if device_mesh is not None:
             _refuse(device_mesh.ndim != 1, f"a {device_mesh.ndim}-D device_mesh")
             group = device_mesh.get_group()
         group = group if group is not None else dist.group.WORLD
         targets = _wrap_targets(module, auto_wrap_policy)
-        _materialize(module, targets, param_init_fn)
+        _materialize(module, targets, param_init_fn, device or torch.device("cpu"))
+        if device is not None:  # torch's FSDP1 moves the module's tensors to device_id before sharding
+            module.to(device)
         if sync_module_states:
             _broadcast_module_states(module, group)
         unit_policy, root_policy = _mixed_precision_policies(mixed_precision, module, auto_wrap_policy)
@@ -428,7 +431,7 @@ def _wrap_targets(root: nn.Module, policy) -> set:
 
 # [Note: FSDP1's meta-device init]
 # torch's FSDP1 materializes a module built on the meta device as it wraps
-# it, on device_id (here the CPU): each wrapped module's subtree, children
+# it, on device_id (the CPU where none is given): each wrapped module's subtree, children
 # wrapped first (post-order, as its auto-wrap walks), then the root's rest,
 # each subtree breadth first and stopping at modules wrapped already; every
 # module visited either goes to param_init_fn(module), where one is given
@@ -439,7 +442,7 @@ def _wrap_targets(root: nn.Module, policy) -> set:
 # random generator in torch's order and the model starts bitwise as torch's
 # FSDP1 starts it; sync_module_states then broadcasts rank 0's values, as
 # torch's does after materializing.
-def _materialize(root: nn.Module, targets: set, param_init_fn) -> None:
+def _materialize(root: nn.Module, targets: set, param_init_fn, device: torch.device) -> None:
     """See [Note: FSDP1's meta-device init]; nothing without meta tensors."""
     if not any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())):
         return
@@ -454,7 +457,7 @@ def _materialize(root: nn.Module, targets: set, param_init_fn) -> None:
                 param_init_fn(m)
             elif next(_own_tensors(m), None) is not None:
                 with torch.no_grad():
-                    m.to_empty(device="cpu", recurse=False)
+                    m.to_empty(device=device, recurse=False)
                     m.reset_parameters()
 
 

@@ -42,8 +42,8 @@ def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         return per_device
     # One value per rank, even for a rank holding no gradient on some device.
     found = sum((f.float().cpu() for f in per_device.values()), torch.zeros(1))
-    for transport, _ in sharded:
-        found = collectives.all_reduce_sum(transport, found)
+    for transport, grads in sharded:
+        found = collectives.all_reduce_sum(transport, found, grads[0].device)
     anywhere = bool(found.item() > 0)
     for f in per_device.values():
         f.fill_(1.0 if anywhere else 0.0)

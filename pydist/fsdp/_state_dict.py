@@ -193,7 +193,10 @@ def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
     local = local.detach()
     shards_md, local_shards, counts = [], [], []
     for r in range(pg.shard_world_size):
-        placement = f"rank:{dist.get_global_rank(group, r) if group is not dist.group.WORLD else r}/cpu"
+        # Where each piece lives: this rank's device exactly (ShardedTensor
+        # checks it), another rank's by its type (its index is that rank's own).
+        device = local.device if r == pg.rank else local.device.type
+        placement = f"rank:{dist.get_global_rank(group, r) if group is not dist.group.WORLD else r}/{device}"
         lo, hi = _rank_range(fp, r)
         counts.append(hi - lo)
         for box in flat_range_boxes(fp.shape, lo, hi) or _empty_box(fp.shape, lo):
@@ -248,10 +251,11 @@ def _all_gather_sharded_tensor(sharded_tensor, pg=None, device=None) -> torch.Te
     dtype = sharded_tensor.metadata().tensor_properties.dtype
     pieces = [shard.tensor.reshape(-1) for shard in sharded_tensor.local_shards()]
     width = max(counts)
-    local = torch.zeros(width, dtype=dtype)
+    on = pieces[0].device if pieces else torch.device("cpu")
+    local = torch.zeros(width, dtype=dtype, device=on)
     if pieces:
         torch.cat(pieces, out=local[:sum(p.numel() for p in pieces)])
-    gathered = torch.empty(width * len(counts), dtype=dtype)
+    gathered = torch.empty(width * len(counts), dtype=dtype, device=on)
     # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same call)
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, local, group=group)
     rows = gathered.view(len(counts), width)
@@ -481,7 +485,7 @@ def gather_full_flat(pg) -> torch.Tensor:
     fresh buffer; a NO_SHARD unit's shard, which is whole)."""
     if not pg.sharded:
         return pg.shard
-    full = torch.empty(pg.padded_numel, dtype=pg.dtype)
+    full = torch.empty(pg.padded_numel, dtype=pg.dtype, device=pg.device)
     collectives.all_gather_unit(pg.transport, pg.shard, full).wait()
     return full
 
@@ -645,11 +649,11 @@ def gather_pieces(pg, pieces: list, dtype: torch.dtype) -> torch.Tensor:
     (``(fp, tensor)``: shaped like its local part, or None for zeros) laid out
     as the unit's shard and all-gathered: a fresh buffer in the unit's flat
     layout (``FSDPParam.full_view`` reads a parameter's part of it)."""
-    shard = torch.zeros(pg.shard_numel, dtype=dtype)
+    shard = torch.zeros(pg.shard_numel, dtype=dtype, device=pg.device)
     for fp, piece in pieces:
         if piece is not None:
             shard.narrow(0, fp.local_start - pg.shard_start, fp.local_numel).copy_(piece.reshape(-1))
-    full = torch.empty(pg.padded_numel, dtype=dtype)
+    full = torch.empty(pg.padded_numel, dtype=dtype, device=pg.device)
     collectives.all_gather_unit(pg.transport, shard, full).wait()
     return full
 

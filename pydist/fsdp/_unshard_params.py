@@ -115,7 +115,7 @@ def _gather_full_grads(pg: FSDPParamGroup) -> torch.Tensor | None:
     ``.grad`` (zeros where a shard has none), as torch's FSDP1 ``with_grads``
     gives it: None when no rank's shards of the unit have a gradient."""
     has = torch.tensor([float(any(fp.sharded_param.grad is not None for fp in pg.fsdp_params))])
-    if collectives.all_reduce_sum(pg.transport, has).item() == 0:
+    if collectives.all_reduce_sum(pg.transport, has, pg.device).item() == 0:
         return None
     return gather_pieces(pg, [(fp, fp.sharded_param.grad) for fp in pg.fsdp_params], pg.dtype)
 

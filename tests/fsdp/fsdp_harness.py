@@ -143,6 +143,7 @@ class Scenario:
     buffer_dtype: str | None = None  # fsdp1 under ``mixed``: MixedPrecision's buffer_dtype
     prefetch: bool = False  # explicit set_modules_to_forward/backward_prefetch (fsdp2, both impls)
     forward_prefetch: bool = False  # fsdp1's forward_prefetch
+    device: str = "cpu"  # where the model trains: fsdp2 moves it there before fully_shard, fsdp1 passes device_id
 
 
 class RunResult(NamedTuple):
@@ -189,9 +190,9 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
             from torch.distributed.fsdp import fully_shard
 
             if torch_group is None:
-                mesh = init_device_mesh("cpu", (world_size,))
+                mesh = init_device_mesh(sc.device, (world_size,))
             else:
-                mesh = DeviceMesh.from_group(torch_group, "cpu")
+                mesh = DeviceMesh.from_group(torch_group, sc.device)
             kwargs = dict(mesh=mesh)
         else:
             from pydist import fully_shard
@@ -201,6 +202,7 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_dtype(sc.reduce_dtype))
+        model.to(sc.device)
         for m in model.units():
             fully_shard(m, reshard_after_forward=sc.reshard_after_forward, **kwargs)
         fully_shard(model, reshard_after_forward=sc.reshard_after_forward, **kwargs)
@@ -223,7 +225,7 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
         policy = ModuleWrapPolicy({nn.Linear})
     else:
         policy = ModuleWrapPolicy({type(m) for m in model.units()})
-    kwargs = dict(auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
+    kwargs = dict(auto_wrap_policy=policy, device_id=torch.device(sc.device), use_orig_params=True,
                   forward_prefetch=sc.forward_prefetch)
     if sc.mixed:
         from torch.distributed.fsdp import MixedPrecision
@@ -271,7 +273,7 @@ def _full_params(impl: str, sc: Scenario, model) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return {k: v.detach().clone() for k, v in sd.items()}
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
 def train(rank: int, world_size: int, sc: Scenario, impl: str, torch_group=None) -> RunResult:
@@ -281,7 +283,7 @@ def train(rank: int, world_size: int, sc: Scenario, impl: str, torch_group=None)
     losses, norms = [], []
     for step in range(sc.steps):
         for micro in range(sc.micro_steps):
-            x, y = make_batch(sc, rank, step, micro)
+            x, y = (t.to(sc.device) for t in make_batch(sc, rank, step, micro))
             with _sync_context(impl, sc, model, micro == sc.micro_steps - 1):
                 loss = F.mse_loss(model(x).float(), y)
                 loss.backward()
@@ -317,11 +319,13 @@ def run_scenarios(rank: int, world_size: int, scenarios, impls=("torch", "pydist
     return out
 
 
-def run_parity(scenarios, world_size: int, timeout: float = 100.0, impls=("torch", "pydist"), models=None):
+def run_parity(scenarios, world_size: int, timeout: float = 100.0, impls=("torch", "pydist"), models=None,
+               backend: str = "gloo"):
     """Spawns the ranks; returns ``results[rank][scenario_index][impl]``."""
     from pydist.spawn import run_ranks
 
-    return run_ranks(run_scenarios, world_size, args=(list(scenarios), tuple(impls), None, models), timeout=timeout)
+    return run_ranks(run_scenarios, world_size, args=(list(scenarios), tuple(impls), None, models), timeout=timeout,
+                     backend=backend)
 
 
 # --------------------------------------------------------------------------

@@ -48,6 +48,28 @@ def test_pack_rank_major_matches_the_oracle(dtype, world_size, scale):
     assert (rows[:, :3] == -7).all() and (rows[:, 3 + shard_numel:] == -7).all()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_pack_rank_major_on_cuda_is_the_cpu_pack(dtype, world_size, scale):
+    """A CUDA unit's pack (one ATen op per cut) writes the CPU pack's bits."""
+    g = torch.Generator().manual_seed(world_size)
+    shapes = [(5, 3), (7,), (1,), (4, 4), (2,)]
+    grads = [torch.randn(s, generator=g).to(dtype) if i % 2 == 0 else None for i, s in enumerate(shapes)]
+    numels = [torch.Size(s).numel() for s in shapes]
+    shard_numel = -(-sum(numels) // world_size)
+    row = 3 + shard_numel + 5
+    want = torch.full((world_size * row,), -7.0, dtype=dtype)
+    got = want.cuda()
+    _C.pack_rank_major(grads, numels, want, world_size, 3, shard_numel, scale)
+    _C.pack_rank_major([t.cuda() if t is not None else None for t in grads], numels, got, world_size, 3, shard_numel,
+                       scale)
+    assert torch.equal(got.cpu(), want)
+    with pytest.raises(RuntimeError, match="on cuda:0 expected"):
+        _C.pack_rank_major([torch.zeros(3, dtype=dtype)], [3], got, world_size, 0, shard_numel, scale)
+
+
 def test_pack_rank_major_refuses_what_it_cannot_pack():
     out = torch.empty(8)
     with pytest.raises(RuntimeError, match=r"grads\[0\] is Double"):
