@@ -24,6 +24,37 @@ torch's function unchanged (a DDP-only job pays one attribute look-up per
 tensor).
 Like FSDP2's, the norm of sharded gradients is a collective: every rank
 calls it, with the same parameters in the same order.
+
+Each door's norm is its torch API's to the last bit where the shards allow,
+because a norm one ulp off scales every gradient by another coefficient
+once clipping is active, and the runs drift apart (issue #36):
+- FSDP1's door (``pydist.FullyShardedDataParallel``): torch FSDP1's
+  ``clip_grad_norm_``, step by step (``fsdp1_clip_grad_norm_``): its
+  parameters in its order (its handles in pre-order, the root's first, each
+  one's in registration order: ``FullyShardedDataParallel.fsdp1_params``),
+  each gradient's norm in float32, those stacked into one float32 norm for
+  the sharded gradients and one for the rest, ``sharded^p`` summed over
+  the ranks plus ``rest^p``, ``^(1/p)`` (inf: the maximum), then
+  ``clip_coef = max_norm / (norm + 1e-6)`` clamped to 1, cast to each
+  gradient's dtype. The shards are torch's ``use_orig_params=True`` ones
+  (the same flat layout, cut evenly) wherever every parameter's numel is a
+  multiple of torch's 16-byte alignment (4 float32 elements, 8 under a
+  bf16 ``param_dtype``); torch pads the others to it and pydist does not,
+  so there a shard's boundary, and the norm's last bit, can differ (the
+  unclipped updates stay bitwise: they work element by element). Bitwise
+  at two ranks; at more, the ranks' sum may be taken in another order.
+  ``model.clip_grad_norm_`` computes it, and so does torch's
+  ``clip_grad_norm_`` / ``get_total_norm`` on a door's gradients, in any
+  order (``total_norm`` finds the door and sorts them into torch's): on
+  torch's own FSDP1 that call takes each rank's norm alone, a pitfall
+  torch's documentation warns of and pydist does not copy. torch's
+  ``use_orig_params=False`` (which the door refuses) norms one flat shard
+  per handle, padding included: another rounding.
+- FSDP2's door (``pydist.fully_shard``): torch's ``get_total_norm`` per
+  transport, reduced as a DTensor's norm, parts combined by torch's norm.
+  torch's FSDP2 norms each parameter's dim-0 chunk, pydist a piece of the
+  unit's flat layout: other elements on each rank, so the norm agrees to
+  about an ulp, not bitwise, until that door has FSDP2's layout.
 """
 
 from __future__ import annotations

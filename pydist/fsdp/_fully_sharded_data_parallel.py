@@ -25,6 +25,9 @@ BACKWARD_POST, which trades that overlap for memory, is refused.
 The parameters are the originals' local shards (``use_orig_params=True``
 only; see [Note: what the optimizer sees]), ``state_dict()`` is the full
 state dict (FSDP1's default ``FULL_STATE_DICT``) under the unwrapped keys.
+``clip_grad_norm_`` is torch FSDP1's to the last bit, and so is torch's
+``clip_grad_norm_`` on the wrapper's parameters (see [Note: the global norm
+of sharded gradients] in _clip_grad.py).
 
 [Note: FSDP1's state_dict_type on pydist]
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
