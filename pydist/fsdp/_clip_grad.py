@@ -31,7 +31,7 @@ once clipping is active, and the runs drift apart (issue #36):
 - FSDP1's door (``pydist.FullyShardedDataParallel``): torch FSDP1's
   ``clip_grad_norm_``, step by step (``fsdp1_clip_grad_norm_``): its
   parameters in its order (its handles in pre-order, the root's first, each
-  one's in registration order: ``FullyShardedDataParallel.fsdp1_params``),
+  one's in registration order: ``FullyShardedDataParallel._fsdp1_clip_params``),
   each gradient's norm in float32, those stacked into one float32 norm for
   the sharded gradients and one for the rest, ``sharded^p`` summed over
   the ranks plus ``rest^p``, ``^(1/p)`` (inf: the maximum), then
@@ -179,7 +179,7 @@ class FSDP1Params(NamedTuple):
     transport: object  # the sharded gradients were reduced over it
 
 
-# The live FSDP1 doors (objects with ``fsdp1_params() -> FSDP1Params | None``,
+# The live FSDP1 doors (objects with ``_fsdp1_clip_params() -> FSDP1Params | None``,
 # registered by their __init__): torch's clip_grad_norm_ on their gradients
 # takes their order. See [Note: the global norm of sharded gradients].
 _FSDP1_DOORS: "weakref.WeakSet" = weakref.WeakSet()
@@ -193,7 +193,7 @@ def _in_fsdp1_order(transport, grads: list[torch.Tensor]) -> list[torch.Tensor] 
     """``grads`` in torch FSDP1's order if they are all sharded gradients of
     one FSDP1 door (the one reduced over ``transport``), else None."""
     for door in list(_FSDP1_DOORS):
-        params = door.fsdp1_params()
+        params = door._fsdp1_clip_params()
         if params is None or params.transport is not transport:
             continue
         place = {id(p.grad): i for i, p in enumerate(params.sharded) if p.grad is not None}

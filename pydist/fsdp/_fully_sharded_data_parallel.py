@@ -169,7 +169,9 @@ class FullyShardedDataParallel(nn.Module):
             for m in module.modules():
                 if (s := state_of(m)) is not None:
                     s.backward_prefetch = []
-        register_fsdp1_door(self)  # torch's clip_grad_norm_ on its gradients: see [Note: the global norm of sharded gradients]
+        # torch's clip_grad_norm_ on its gradients takes its order: see
+        # [Note: the global norm of sharded gradients].
+        register_fsdp1_door(self)
 
     @property
     def module(self) -> nn.Module:
@@ -207,15 +209,14 @@ class FullyShardedDataParallel(nn.Module):
         """Collective: clips by the global norm of every rank's gradients and
         returns it, bitwise torch FSDP1's (its parameters in its order, its
         arithmetic: see [Note: the global norm of sharded gradients])."""
-        params = self.fsdp1_params()
-        if params is None:  # NO_SHARD everywhere: torch's own, as FSDP1
+        params = self._fsdp1_clip_params()
+        # NO_SHARD everywhere: torch's own, as FSDP1's. No transport yet (no
+        # forward, so no sharded gradient on any rank): nothing to sum.
+        if params is None or params.transport is None:
             return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
-        if params.transport is None:
-            raise RuntimeError("pydist.FullyShardedDataParallel.clip_grad_norm_: called before the first forward, "
-                               "with no gradients to clip yet")
         return fsdp1_clip_grad_norm_(params, max_norm, norm_type)
 
-    def fsdp1_params(self) -> FSDP1Params | None:
+    def _fsdp1_clip_params(self) -> FSDP1Params | None:
         """The parameters as torch FSDP1's ``clip_grad_norm_`` takes them (its
         handles, our units, in pre-order: the root first); None where no unit
         is sharded."""
