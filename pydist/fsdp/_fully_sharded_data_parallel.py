@@ -25,6 +25,9 @@ BACKWARD_POST, which trades that overlap for memory, is refused.
 The parameters are the originals' local shards (``use_orig_params=True``
 only; see [Note: what the optimizer sees]), ``state_dict()`` is the full
 state dict (FSDP1's default ``FULL_STATE_DICT``) under the unwrapped keys.
+``clip_grad_norm_`` is torch FSDP1's to the last bit, and so is torch's
+``clip_grad_norm_`` on the wrapper's parameters (see [Note: the global norm
+of sharded gradients] in _clip_grad.py).
 
 [Note: FSDP1's state_dict_type on pydist]
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
@@ -102,7 +105,7 @@ from pydist.fsdp._state_dict import (
     optimizer_state_dict_to_load,
     rekey_optimizer_state_dict,
 )
-from pydist.fsdp._clip_grad import clip_grad_norm_
+from pydist.fsdp._clip_grad import FSDP1Params, fsdp1_clip_grad_norm_, register_fsdp1_door
 from pydist.fsdp._unshard_params import summon_full_params
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload"]
@@ -169,6 +172,9 @@ class FullyShardedDataParallel(nn.Module):
             for m in module.modules():
                 if (s := state_of(m)) is not None:
                     s.backward_prefetch = []
+        # torch's clip_grad_norm_ on its gradients takes its order: see
+        # [Note: the global norm of sharded gradients].
+        register_fsdp1_door(self)
 
     @property
     def module(self) -> nn.Module:
@@ -203,8 +209,31 @@ class FullyShardedDataParallel(nn.Module):
             self._fsdp_wrapped_module.set_requires_gradient_sync(True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips by the global norm of every rank's gradients; returns it."""
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+        """Collective: clips by the global norm of every rank's gradients and
+        returns it, bitwise torch FSDP1's (its parameters in its order, its
+        arithmetic: see [Note: the global norm of sharded gradients])."""
+        params = self._fsdp1_clip_params()
+        # NO_SHARD everywhere: torch's own, as FSDP1's. No transport yet (no
+        # forward, so no sharded gradient on any rank): nothing to sum.
+        if params is None or params.transport is None:
+            return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+        return fsdp1_clip_grad_norm_(params, max_norm, norm_type)
+
+    def _fsdp1_clip_params(self) -> FSDP1Params | None:
+        """The parameters as torch FSDP1's ``clip_grad_norm_`` takes them (its
+        handles, our units, in pre-order: the root first); None where no unit
+        is sharded."""
+        units = [s.param_group for m in self._fsdp_wrapped_module.modules()
+                 if (s := state_of(m)) is not None and s.param_group is not None]
+        if not any(unit.sharded for unit in units):
+            return None
+        sharded, nonsharded = [], []
+        for unit in units:
+            (sharded if unit.sharded else nonsharded).extend(fp.sharded_param for fp in unit.fsdp_params)
+        managed = {id(p) for p in itertools.chain(sharded, nonsharded)}
+        nonsharded += [p for p in self.parameters() if id(p) not in managed]  # a zero-size unit's (see fully_shard)
+        transport = next(unit for unit in units if unit.sharded).transport  # the root's, every unit's
+        return FSDP1Params(sharded, nonsharded, transport)
 
     @staticmethod
     def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,

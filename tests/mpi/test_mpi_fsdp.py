@@ -33,6 +33,7 @@ SCENARIOS = [
     Scenario(model="nested", optimizer="sgd", clip=0.05, steps=3),
     Scenario(api="fsdp1", model="nested", optimizer="adam", strategy="SHARD_GRAD_OP"),
     Scenario(api="fsdp1", model="mlp", optimizer="sgd", mixed=True),
+    Scenario(api="fsdp1", model="nested", optimizer="sgd", clip=0.05, steps=3),  # the norm summed on the mpi4py group
 ]
 
 
