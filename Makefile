@@ -53,8 +53,12 @@ bench: install
 # place (PYDIST_CUDA=1: a missing toolkit is an error), then the CUDA-marked
 # tests (ops, DDP on CUDA beside torch over gloo and NCCL, the example's AMP),
 # the kernels' torch-free self-test and the flatten bandwidth on the device.
+# The GPU machines' default g++ (/opt/gcc) has no shared libstdc++, which
+# setup.py refuses: build there with the system's compiler.
+GPU_BUILD_ENV ?= $(if $(wildcard /usr/bin/g++),CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared")
+
 gpu-check:
-	PYDIST_CUDA=1 $(PYTHON) setup.py build_ext --inplace
+	$(GPU_BUILD_ENV) PYDIST_CUDA=1 $(PYTHON) setup.py build_ext --inplace
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m cuda tests -p no:cacheprovider
 	cmake -S . -B build/cmake && cmake --build build/cmake --target flatten_selftest && ./build/cmake/flatten_selftest
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_flatten.py --device cuda

@@ -61,10 +61,32 @@ around its children holds its slot throughout). A borrowing unit that turns
 out not to reshard when expected (its post-forward or post-backward does not
 reshard it: the settings changed in between) moves its
 bytes to memory of its own first (``_leave_pool``), so no slot outlives its
-phase. The pool is CPU memory, as pydist shards CPU parameters only. What
-it holds is counted in ``pydist.fsdp.persistent_bytes(...).pools``: 0
+phase. The pool is on the root's units' device (one device per root: see
+[Note: units on a CUDA device]). What it holds is counted in ``pydist.fsdp.persistent_bytes(...).pools``: 0
 between iterations, unless a slot is still taken then (a unit unsharded
 by hand, say).
+
+[Note: units on a CUDA device]
+A unit lives where its parameters are: the shard, the unsharded buffer, the
+pool's slots, the reduce inputs and outputs are allocated on that device
+(a unit built on the meta device: the one ``to_empty`` gives it), and every
+unit of a root is on one device. Everything else is the CPU path with three
+differences, each where the host's view of a device collective is not the
+device's:
+  * the transport is the process group (NCCL; gloo, which stages CUDA
+    tensors through pinned host memory): shared memory carries CPU tensors;
+  * the small collectives (the wrapping and built-model checks, the
+    gradient flags) send their values from the units' device, as NCCL
+    carries no CPU tensor (``collectives.all_gather_small(..., device)``);
+  * a collective "done" on the host may still run on a stream of the
+    group's: a batched all-gather copies its output out on the waiting
+    thread after the group's wait (csrc/transport/transport.cpp,
+    ``Transport::all_gather_many``), and a reduce batch never reuses an
+    earlier batch's device input (``GradBatch._input_for``).
+Communication overlaps compute where the group runs it on its own stream
+(NCCL); the packing copies and casts run on the compute stream. Packing a
+unit's gradients is one ATen op per cut on the device (``pack_rank_major``
+in csrc/reducer/bucket.cpp), bitwise the CPU pack.
 
 [Note: mixed precision]
 With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the

@@ -281,12 +281,24 @@ def _full_params(impl: str, sc: Scenario, model) -> dict:
 
         sd = full_state_dict(model) if sc.api == "fsdp2" else model.state_dict()
     elif sc.api == "fsdp2":
-        sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        sd = {k: _full_tensor(v) if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def _full_tensor(dtensor) -> torch.Tensor:
+    """A torch FSDP2 parameter (``Shard(0)``) in full. Off the CPU its local
+    chunks are gathered on the CPU: ``full_tensor()`` of a CUDA DTensor over
+    gloo dies in torch 2.11's functional all-gather (SIGSEGV, seen on an
+    H200 with two ranks sharing the GPU)."""
+    if dtensor.device.type == "cpu":
+        return dtensor.full_tensor()
+    chunks = [None] * dtensor.device_mesh.size()
+    dist.all_gather_object(chunks, dtensor.to_local().detach().cpu(), group=dtensor.device_mesh.get_group())
+    return torch.cat(chunks)
 
 
 def train(rank: int, world_size: int, sc: Scenario, impl: str, torch_group=None) -> RunResult:

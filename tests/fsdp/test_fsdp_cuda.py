@@ -7,7 +7,11 @@ tests/ddp/test_ddp_cuda.py):
 * gloo with two ranks sharing cuda:0: gloo all-gathers CUDA tensors and
   reduce-scatters them as an all-reduce, both through host staging. torch's
   wrappers take the same path, so the runs are bitwise at two ranks, as on
-  the CPU (a sum of two terms is the same either way round);
+  the CPU (a sum of two terms is the same either way round). torch 2.11's
+  functional all-gather of a CUDA DTensor over gloo dies (SIGSEGV in
+  ``full_tensor()``), so torch's parameters are gathered on the CPU
+  (fsdp_harness._full_tensor), and clipping, whose DTensor norm torch
+  reduces through the same functional collectives, is compared over NCCL;
 * NCCL with one rank: NCCL's own launches and streams, and the small
   collectives pydist runs besides the units' (the wrapping and built-model
   checks, the gradient flags), which NCCL refuses on CPU tensors.
@@ -40,7 +44,6 @@ def test_gloo_two_ranks_on_one_gpu():
         Scenario(**GPU, api="fsdp1", optimizer="adam"),
         Scenario(**GPU, api="fsdp1", strategy="SHARD_GRAD_OP", mixed=True),
         Scenario(**GPU, api="fsdp1", strategy="NO_SHARD", model="nested"),
-        Scenario(**GPU, clip=0.05, optimizer="adam"),
     ]
     results = run_parity(scenarios, 2, timeout=240)
     assert_parity(results, exact=True, scenarios=scenarios, transport="gloo")
