@@ -286,6 +286,10 @@ class FSDPParamGroup:
         # Set by the root at its lazy init: the transport every unit of the
         # root shares (see [Note: which transport carries a sharded unit]).
         self.transport = None
+        # HSDP: the transport over the replicas (set with ``transport``;
+        # None: no replica to all-reduce with). See [Note: HSDP].
+        self.replicate_transport = None
+        self._replica_reduce: ReplicaReduce | None = None
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         # See [Note: parameters without a gradient]: True gives every
@@ -772,13 +776,18 @@ class FSDPParamGroup:
         unit of a GradBatch was finalized by the batch already
         (``GradBatch.finalize``): here it only reshards, unless
         reshard_after_backward is off (see [Note: resharding after backward])."""
+        self.reduce_replicas()
         reduce, self._reduce = self._reduce, None
+        replica, self._replica_reduce = self._replica_reduce, None
         self.grad_batch = None
         if reduce is not None:
-            needed = time.monotonic_ns()
-            completed = reduce.future.wait()
-            kind = "reduce_scatter" if self.sharded else "all_reduce"
-            self._timings.append((kind, "backward", self._reduce_issued, needed, completed))
+            if replica is not None:
+                self._timings += replica.wait()
+            else:
+                needed = time.monotonic_ns()
+                completed = reduce.future.wait()
+                kind = "reduce_scatter" if self.sharded else "all_reduce"
+                self._timings.append((kind, "backward", self._reduce_issued, needed, completed))
             params, offsets = [], []
             self.grads_to_hand_out(params, offsets, 0)
             _hand_out_grads(reduce.output, self, params, offsets)
@@ -789,6 +798,14 @@ class FSDPParamGroup:
             else:
                 self._leave_pool()
         self.training_state = TrainingState.IDLE
+
+    def reduce_replicas(self) -> None:
+        """HSDP, a unit reduced alone: once its reduce-scatter is done, starts
+        the all-reduce of its output over the replicas (at most once). See
+        [Note: HSDP]."""
+        if self.replicate_transport is not None and self._reduce is not None and self._replica_reduce is None:
+            self._replica_reduce = ReplicaReduce(self.replicate_transport, self._reduce.future, self._reduce_issued,
+                                                 self._reduce.output)
 
     def has_pending_grads(self) -> bool:
         """Whether gradients of earlier backwards wait to be reduced (gradient
@@ -834,7 +851,10 @@ class FSDPParamGroup:
         gradients it has not reduced, reshards and goes back to IDLE. The
         shards' ``.grad`` (reduced by earlier backwards) are left as they are."""
         reduce, self._reduce = self._reduce, None
-        if reduce is not None:
+        replica, self._replica_reduce = self._replica_reduce, None
+        if replica is not None:
+            replica.wait()  # HSDP: every rank issued it too
+        elif reduce is not None:
             reduce.future.wait()  # every rank issued it; its result is the failed backward's
         self.grad_batch = None
         self.gathered_ahead = False
@@ -1197,6 +1217,45 @@ class ReduceLayout:
         return cached[1], cached[2]
 
 
+# [Note: HSDP]
+# fully_shard over a 2-D ("replicate", "shard") mesh, FSDP1's HYBRID_SHARD
+# and _HYBRID_SHARD_ZERO2: a unit is sharded over the shard group (its
+# transport, shared memory where those ranks share a host) and every replica
+# holds the same shards. Each reduce-scatter (a batch's, a lone unit's)
+# averages over the shard group as without HSDP; once it is done, its output
+# is all-reduced over the replicate group (the root's replicate transport,
+# chosen as the shard group's is), averaged there (1/R applied by the
+# transport), and only then handed out as ``.grad``. So every gradient is
+# the mean over all R * S ranks, in torch's order: the S-term sum first, then
+# the R-term sum of those; scaling by 1/S and 1/R where they are powers of
+# two is exact, which makes it bitwise torch's HSDP (which divides by S and
+# R at the same points) at 2 x 2. The all-reduces start at the root's final
+# callback, every batch's before the first is waited on, in the same order
+# on every rank; a replicate group of one rank has nothing to reduce (no
+# transport), and a shard group of one reduce-scatters to itself, so no mesh
+# shape skips the all-reduce. The root's checks (the same wrapping, the same
+# built model, the same forward order) and its agreement on which
+# parameters had a gradient run over both groups.
+
+
+class ReplicaReduce:
+    """HSDP: one reduce-scatter's output all-reduced over the replicas,
+    started once the reduce-scatter is done. See [Note: HSDP]."""
+
+    def __init__(self, replicate, scattered, issued_ns: int, output: torch.Tensor):
+        needed = time.monotonic_ns()
+        completed = scattered.wait()
+        self.scatter_record = ("reduce_scatter", "backward", issued_ns, needed, completed)
+        self.issued_ns = time.monotonic_ns()
+        self.future = replicate.all_reduce(output, 1.0 / replicate.world_size)
+
+    def wait(self) -> list:
+        """Waits; the records of both collectives."""
+        needed = time.monotonic_ns()
+        completed = self.future.wait()
+        return [self.scatter_record, ("all_reduce", "backward", self.issued_ns, needed, completed)]
+
+
 class GradBatch:
     """Units whose gradients are reduce-scattered as one collective in one
     backward, laid out by a ``ReduceLayout`` the root's reduce plan chose
@@ -1238,6 +1297,7 @@ class GradBatch:
         self.issued_ns = 0
         self.future = None  # the collective, once launched
         self.output: torch.Tensor | None = None
+        self.replica: ReplicaReduce | None = None  # HSDP: the all-reduce over the replicas, once started
 
     def add(self, pg: FSDPParamGroup, grads: list) -> None:
         _C.pack_rank_major(grads, pg._numels, self._input_for(pg), self.world_size, self.columns[id(pg)],
@@ -1290,16 +1350,28 @@ class GradBatch:
         self.issued_ns = time.monotonic_ns()
         self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
 
+    def reduce_replicas(self) -> None:
+        """HSDP: once the batch's reduce-scatter is done, starts the
+        all-reduce of its output over the replicas. See [Note: HSDP]."""
+        replicate = self.arrived[0].replicate_transport if self.arrived else None
+        if replicate is not None and self.future is not None and self.replica is None:
+            self.replica = ReplicaReduce(replicate, self.future, self.issued_ns, self.output)
+
     def finalize(self, all_trainable: bool = False) -> None:
-        """Waits for the collective; records it for every arrived member and
-        hands their shards their ``.grad``. ``all_trainable``: every unit
-        hands out its trainable shards (no unit's ``_grads_for`` is set)."""
+        """Waits for the collective (and the replicas' all-reduce, HSDP);
+        records it for every arrived member and hands their shards their
+        ``.grad``. ``all_trainable``: every unit hands out its trainable
+        shards (no unit's ``_grads_for`` is set)."""
         self.siblings = None  # the list holds this batch: leave no cycle for the garbage collector
         if self.future is None:
             return
-        needed = time.monotonic_ns()
-        completed = self.future.wait()
-        self.future = None
+        self.reduce_replicas()
+        if self.replica is not None:
+            records = self.replica.wait()
+        else:
+            needed = time.monotonic_ns()
+            records = [("reduce_scatter", "backward", self.issued_ns, needed, self.future.wait())]
+        self.future = self.replica = None
         arrived = self.arrived
         # The arrived members' parts, each at its column, in one C++ call.
         if len(arrived) == len(self.members) and (all_trainable or all(pg._grads_for is None for pg in arrived)):
@@ -1309,7 +1381,6 @@ class GradBatch:
             for pg in arrived:
                 pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
             _hand_out_grads(self.output, arrived[0], params, offsets)
-        record = ("reduce_scatter", "backward", self.issued_ns, needed, completed)
         for pg in arrived:
-            pg._timings.append(record)
+            pg._timings += records
         self.input = self.output = None

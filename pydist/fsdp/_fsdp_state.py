@@ -94,6 +94,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -178,10 +179,14 @@ class FSDPState:
     """One fully_shard'ed module: its unit (None when it manages no
     parameters) and its hooks. The root's state also drives the iteration."""
 
-    def __init__(self, module: nn.Module, param_group: FSDPParamGroup | None, group, shm: bool | None, mp_policy=None):
+    def __init__(self, module: nn.Module, param_group: FSDPParamGroup | None, group, shm: bool | None, mp_policy=None,
+                 replicate_group=None):
         self.module = module
         self.param_group = param_group
         self.group = group  # the process group the unit is sharded over
+        # HSDP: the group its reduced shards are all-reduced over (None: not
+        # HSDP). See [Note: HSDP].
+        self.replicate_group = replicate_group
         self.shm = shm  # the root's choice of transport: see open_transport
         self.mp_policy = mp_policy  # torch's MixedPrecisionPolicy: input and output casts here, the rest in the unit
         # Decided at the first forward: the outermost state that runs forward
@@ -274,7 +279,7 @@ class FSDPState:
                     f"pydist.fully_shard: {name!r} ({type(state.module).__name__}) ran forward (or unshard()) on its "
                     f"own before its root {type(self.module).__name__}; run the root's forward first (FSDP2's rule too)"
                 )
-            if state.group is not self.group:
+            if state.group is not self.group or state.replicate_group is not self.replicate_group:
                 raise NotImplementedError(
                     "pydist.fully_shard: every unit under one root must shard over the same group (mesh)"
                 )
@@ -316,13 +321,20 @@ class FSDPState:
         transport = collectives.open_transport(self.group, samples, self.shm)
         # [overlap hook] PYDIST_SIM_NET puts a simulated link in front
         transport = overlap_hooks.sharded_transport(transport)
+        # See [Note: HSDP]: a group of one replica has nothing to all-reduce.
+        replicate = None
+        if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
+            replicate = overlap_hooks.sharded_transport(
+                collectives.open_transport(self.replicate_group, samples, self.shm))
         pool = self.pool = UnshardPool(self.device)  # see [Note: the unsharded buffer's memory]
         for state in self.all_states:
             if state.param_group is not None:
                 state.param_group.transport = transport
+                state.param_group.replicate_transport = replicate if state.param_group.sharded else None
                 state.param_group.pool = pool
                 state.param_group.is_root = state is self
         self.transport = transport
+        self.replicate_transport = replicate
         self._built_checked = False  # see [Note: every rank builds the same model]
         # What the optimizer steps on, and the requires_grad each unit has taken up.
         self._units = [s.param_group for s in self.all_states if s.param_group is not None]
@@ -369,13 +381,13 @@ class FSDPState:
         digest = hashlib.sha256(text).digest()
         head = torch.tensor([len(text), int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")],
                             dtype=torch.float64)
-        table = collectives.all_gather_small(self.transport, head, self.device)  # (ranks, 3)
+        table = self._gather_small(head)  # (ranks, 3)
         if bool((table == table[0]).all()):
             return
         lengths = [int(n) for n in table[:, 0].tolist()]
         mine = torch.zeros(max(lengths), dtype=torch.float64)
         mine[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.float64)
-        rows = collectives.all_gather_small(self.transport, mine, self.device)
+        rows = self._gather_small(mine)
         wrappings = [json.loads(bytes(int(b) for b in row[:n].tolist())) for row, n in zip(rows, lengths)]
         raise RuntimeError(_wrapping_difference(wrappings, type(self.module).__name__))
 
@@ -410,7 +422,7 @@ class FSDPState:
                      (digests >> 32).to(torch.float64), (digests & 0xFFFFFFFF).to(torch.float64)]
         if not rows:
             return
-        table = collectives.all_gather_small(self.transport, torch.cat(rows), self.device)  # (ranks, values)
+        table = self._gather_small(torch.cat(rows))  # (ranks, values)
         start = 0
         for pg in units:
             n = len(pg.fsdp_params)
@@ -507,7 +519,9 @@ class FSDPState:
         iteration that raised]."""
         batches, self.grad_batches = self.grad_batches, []
         for batch in batches:
-            if batch.future is not None:  # launched: every rank issued it
+            if batch.replica is not None:  # HSDP: its all-reduce too
+                batch.replica.wait()
+            elif batch.future is not None:  # launched: every rank issued it
                 batch.future.wait()
         for state in self.all_states:
             state._recomputing = False
@@ -577,6 +591,11 @@ class FSDPState:
         batches, self.grad_batches = self.grad_batches, []
         for batch in batches:
             batch.launch()  # those some member never reached (a unit skipped this backward)
+        if self.replicate_transport is not None:  # see [Note: HSDP]: every all-reduce starts before any is waited
+            for batch in batches:
+                batch.reduce_replicas()
+            for pg in self._units:
+                pg.reduce_replicas()
         all_trainable = self._agree_on_grads()
         for batch in batches:
             batch.finalize(all_trainable)  # one wait per batch; its members' shards get their .grad
@@ -604,7 +623,10 @@ class FSDPState:
         if not units:
             return False
         flags = torch.tensor(list(itertools.chain.from_iterable(pg.had_grad for pg in units)), dtype=torch.float32)
-        counts = collectives.all_reduce_sum(self.transport, flags, self.device).tolist()
+        counts = collectives.all_reduce_sum(self.transport, flags, self.device)
+        if self.replicate_transport is not None:  # every replica hands out the same .grads
+            counts = collectives.all_reduce_sum(self.replicate_transport, counts, self.device)
+        counts = counts.tolist()
         if all(counts):  # every parameter had a gradient on some rank: the common case, in one pass
             all_trainable = True
             for pg in units:
@@ -663,12 +685,23 @@ class FSDPState:
             if gathering is None:
                 self._checked_order, self._checked_row = list(self.forward_order), row
         row[1] = self.iteration
-        rows = collectives.all_gather_small(self.transport, row, self.device).tolist()
+        rows = self._gather_small(row).tolist()
         # The forward's number only explains a mismatch: ranks that run the
         # same units in the same order pair their collectives whatever it is.
         if all(r[:1] + r[2:] == rows[0][:1] + rows[0][2:] for r in rows):
             return
         raise RuntimeError(self._describe_orders(rows))
+
+    def _gather_small(self, value: torch.Tensor) -> torch.Tensor:
+        """Root: every rank's ``value`` (small, 1-D) stacked: the rows of the
+        shard group, and under HSDP those of every replica, replica by
+        replica (row ``replica * shard_size + shard_rank``: the global rank
+        on a ("replicate", "shard") mesh laid out as init_device_mesh lays it)."""
+        table = collectives.all_gather_small(self.transport, value, self.device)
+        if self.replicate_transport is not None:
+            table = collectives.all_gather_small(self.replicate_transport, table.reshape(-1), self.device)
+            table = table.reshape(-1, value.numel())
+        return table
 
     def _order_row(self, gathering: FSDPState | None) -> torch.Tensor:
         """What check_forward_order sends: [done, the root's forward number

@@ -39,17 +39,19 @@ def _torch_policies():
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, shard_placement_fn=None,
                 mp_policy=None, offload_policy=None, ignored_params=None, shm: bool | None = None,
-                _sharded: bool = True, _process_group=None, _zeros_for_unused: bool = False) -> nn.Module:
+                _sharded: bool = True, _process_group=None, _replicate_group=None,
+                _zeros_for_unused: bool = False) -> nn.Module:
     """Makes ``module``'s parameters not yet managed by a fully_shard'ed
-    submodule one unit, sharded over ``mesh`` (a 1-D DeviceMesh; None: the
-    default group), and returns ``module``, its class now also an
-    ``FSDPModule``. Call it on submodules first, then on the root.
+    submodule one unit, sharded over ``mesh`` (a 1-D DeviceMesh; a 2-D one,
+    ("replicate", "shard"), for HSDP: see [Note: HSDP]; None: the default
+    group), and returns ``module``, its class now also an ``FSDPModule``.
+    Call it on submodules first, then on the root.
 
     torch's ``MixedPrecisionPolicy()`` and ``OffloadPolicy()`` are accepted
     (``MixedPrecisionPolicy``: see [Note: mixed precision]); CPU offload,
     ``shard_placement_fn``,
     ``ignored_params``, an int ``reshard_after_forward`` and meshes of more
-    than one dimension raise ``NotImplementedError`` naming them. ``shm``
+    than two dimensions raise ``NotImplementedError`` naming them. ``shm``
     (pydist's own) picks the transport: see ``open_transport``. torch's
     ``clip_grad_norm_`` clips the sharded gradients by their global norm
     (see [Note: the global norm of sharded gradients])."""
@@ -65,7 +67,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     from pydist.overlap import hooks as overlap_hooks
 
     overlap_hooks.sharded_made()  # [overlap hook] a PYDIST_SIM_NET it cannot read is refused here, as DDP does
-    group = _process_group if _process_group is not None else _group_of(mesh)
+    if _process_group is not None:
+        group, replicate_group = _process_group, _replicate_group
+    else:
+        group, replicate_group = _groups_of(mesh)
     named = _managed_params(module)
     for fqn, p, _ in named:
         # Its module's own Parameter object, which becomes the shard (see
@@ -80,7 +85,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
             param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
             zeros_for_unused=_zeros_for_unused,
         )
-    module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy)
+    module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy, replicate_group)
     register_state_dict_hooks(module)  # see [Note: the sharded state dict]
     install_torch_checkpoint_api()  # see [Note: torch's checkpoint helpers on pydist's shards]
     # Libraries ask whether a module is FSDP-managed the way torch's
@@ -144,12 +149,16 @@ def _refuse(condition, what: str) -> None:
         raise NotImplementedError(f"pydist.fully_shard: {what} is not implemented yet")
 
 
-def _group_of(mesh):
+def _groups_of(mesh) -> tuple:
+    """(the group to shard over, the group to all-reduce over or None): a
+    1-D mesh's group; a 2-D mesh's dims are (replicate, shard), as torch's
+    fully_shard reads them (HSDP)."""
     if mesh is None:
-        return dist.group.WORLD
-    if mesh.ndim != 1:
-        _refuse(True, f"a {mesh.ndim}-D mesh (HSDP)")
-    return mesh.get_group()
+        return dist.group.WORLD, None
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    _refuse(mesh.ndim != 2, f"a {mesh.ndim}-D mesh")
+    return mesh.get_group(1), mesh.get_group(0)
 
 
 def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamModuleInfo]]]:
@@ -270,6 +279,14 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         raise NotImplementedError("pydist.fully_shard: set_is_last_backward is not implemented yet")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: every synced backward all-reduces over the replicas (see
+        [Note: HSDP]); skipping it while accumulating is not implemented."""
+        _refuse(not requires_all_reduce, "set_requires_all_reduce(False) (HSDP accumulation without the all-reduce)")
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        _refuse(True, "set_all_reduce_hook")
 
 
 def _state_or_raise(module: nn.Module) -> FSDPState:

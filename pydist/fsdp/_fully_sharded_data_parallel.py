@@ -110,7 +110,9 @@ from pydist.fsdp._unshard_params import summon_full_params
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload"]
 
-_RESHARD_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD: True, ShardingStrategy.SHARD_GRAD_OP: False, ShardingStrategy.NO_SHARD: False}
+_RESHARD_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD: True, ShardingStrategy.SHARD_GRAD_OP: False, ShardingStrategy.NO_SHARD: False,
+                          ShardingStrategy.HYBRID_SHARD: True, ShardingStrategy._HYBRID_SHARD_ZERO2: False}
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 def _refuse(condition, what: str) -> None:
@@ -132,7 +134,6 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         _refuse(strategy not in _RESHARD_AFTER_FORWARD, f"sharding_strategy={strategy}")
-        _refuse(isinstance(process_group, tuple), "a (shard, replicate) process_group pair (HSDP)")
         _refuse(cpu_offload is not None and cpu_offload.offload_params, "cpu_offload=CPUOffload(offload_params=True)")
         _refuse(ignored_modules, "ignored_modules")
         _refuse(ignored_states, "ignored_states")
@@ -142,17 +143,15 @@ class FullyShardedDataParallel(nn.Module):
         _refuse(not use_orig_params, "use_orig_params=False")
         device = torch.device(device_id) if device_id is not None else None
         _refuse(device is not None and device.type not in ("cpu", "cuda"), f"device_id={device_id}")
-        group = process_group
-        if device_mesh is not None:
-            _refuse(device_mesh.ndim != 1, f"a {device_mesh.ndim}-D device_mesh")
-            group = device_mesh.get_group()
-        group = group if group is not None else dist.group.WORLD
+        group, replicate_group = _groups(strategy, process_group, device_mesh)
         targets = _wrap_targets(module, auto_wrap_policy)
         _materialize(module, targets, param_init_fn, device or torch.device("cpu"))
         if device is not None:  # torch's FSDP1 moves the module's tensors to device_id before sharding
             module.to(device)
         if sync_module_states:
             _broadcast_module_states(module, group)
+            if replicate_group is not None:  # as torch's FSDP1: then across the replicas
+                _broadcast_module_states(module, replicate_group)
         unit_policy, root_policy = _mixed_precision_policies(mixed_precision, module, auto_wrap_policy)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
@@ -160,6 +159,7 @@ class FullyShardedDataParallel(nn.Module):
         buffer_orig_dtypes = _cast_buffers(module, mixed_precision)
         kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
                       _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group,
+                      _replicate_group=replicate_group,
                       _zeros_for_unused=True)  # FSDP1's answer: see [Note: parameters without a gradient]
         for m in reversed(list(module.modules())):  # children before their parents
             if m is not module and m in targets:
@@ -456,6 +456,40 @@ def _wrap_targets(root: nn.Module, policy) -> set:
 
     recurse(root)
     return targets
+
+
+def _groups(strategy: ShardingStrategy, process_group, device_mesh) -> tuple:
+    """(the group to shard over, the group to all-reduce over or None), as
+    torch's FSDP1 reads its arguments: for HYBRID_SHARD and
+    _HYBRID_SHARD_ZERO2 a (shard, replicate) pair of groups, a 2-D
+    (replicate, shard) device_mesh, or neither: each host's ranks shard, the
+    hosts replicate (pydist.topology finds the hosts; torch counts GPUs per
+    node). See [Note: HSDP] in _fsdp_param_group.py."""
+    hybrid = strategy in _HYBRID
+    if device_mesh is not None:
+        _refuse(device_mesh.ndim not in ((1, 2) if hybrid else (1,)), f"a {device_mesh.ndim}-D device_mesh with "
+                f"sharding_strategy={strategy}")
+        if device_mesh.ndim == 2:
+            return device_mesh.get_group(1), device_mesh.get_group(0)
+        return device_mesh.get_group(), None
+    if isinstance(process_group, tuple):
+        if not hybrid or len(process_group) != 2:
+            raise ValueError(f"pydist.FullyShardedDataParallel: a tuple process_group is a (shard, replicate) pair "
+                             f"for HYBRID_SHARD and _HYBRID_SHARD_ZERO2, got {len(process_group)} groups with "
+                             f"sharding_strategy={strategy}")
+        return process_group
+    group = process_group if process_group is not None else dist.group.WORLD
+    if not hybrid:
+        return group, None
+    from pydist import topology
+
+    topo = topology.of(group)
+    if not topo.spans_hosts:
+        return group, None  # one host: shard over it, nothing to replicate across
+    if not topo.uniform:
+        raise ValueError(f"pydist.FullyShardedDataParallel({strategy}): the hosts have different numbers of ranks "
+                         f"({topo.uneven_hosts()}); pass process_group=(shard_group, replicate_group)")
+    return topo.local_group, topo.cross_group
 
 
 # [Note: FSDP1's meta-device init]

@@ -148,6 +148,7 @@ class Scenario:
     prefetch: bool = False  # explicit set_modules_to_forward/backward_prefetch (fsdp2, both impls)
     forward_prefetch: bool = False  # fsdp1's forward_prefetch
     device: str = "cpu"  # where the model trains: fsdp2 moves it there before fully_shard, fsdp1 passes device_id
+    mesh: tuple | None = None  # HSDP: (replicate, shard) sizes of a 2-D mesh (fsdp1: with a HYBRID strategy)
     # How pydist's fsdp1 clips: "method" (model.clip_grad_norm_), "torch"
     # (torch.nn.utils.clip_grad_norm_(model.parameters())), "torch reversed"
     # (the parameters in reverse). torch's fsdp1 always calls its method.
@@ -197,7 +198,9 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
             from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            if torch_group is None:
+            if sc.mesh is not None:
+                mesh = _hsdp_mesh(sc)
+            elif torch_group is None:
                 mesh = init_device_mesh(sc.device, (world_size,))
             else:
                 mesh = DeviceMesh.from_group(torch_group, sc.device)
@@ -206,6 +209,8 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
             from pydist import fully_shard
 
             kwargs = dict(shm=sc.shm)
+            if sc.mesh is not None:
+                kwargs["mesh"] = _hsdp_mesh(sc)
         if sc.mixed:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -235,6 +240,8 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
         policy = ModuleWrapPolicy({type(m) for m in model.units()})
     kwargs = dict(auto_wrap_policy=policy, device_id=torch.device(sc.device), use_orig_params=True,
                   forward_prefetch=sc.forward_prefetch)
+    if sc.mesh is not None:
+        kwargs["device_mesh"] = _hsdp_mesh(sc)
     if sc.mixed:
         from torch.distributed.fsdp import MixedPrecision
 
@@ -249,6 +256,13 @@ def wrap(impl: str, sc: Scenario, model: nn.Module, world_size: int, torch_group
 
     return pydist.FullyShardedDataParallel(model, sharding_strategy=pydist.ShardingStrategy[sc.strategy], shm=sc.shm,
                                            **kwargs)
+
+
+def _hsdp_mesh(sc: Scenario):
+    """A 2-D ("replicate", "shard") mesh of ``sc.mesh``'s sizes (every call a new one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(sc.device, sc.mesh, mesh_dim_names=("replicate", "shard"))
 
 
 def _dtype(name: str | None):
