@@ -7,12 +7,13 @@ Each host is a network + mount + UTS namespace (pydist.cluster_emulator) whose
 link is shaped by tc tbf to the rate; torchrun runs on every host. In one job,
 alternating rounds: pydist DDP against torch DDP (8 x Linear(512), 8.4 MB of
 gradients, SGD), then pydist.fully_shard (FULL_SHARD, each Linear a unit)
-against torch FSDP2 (fully_shard, same units, Adam). Per round each side
+against torch FSDP2 (fully_shard, same units, Adam), then both on a 2-D
+("replicate", "shard") mesh of hosts x ranks per host (HSDP: sharded inside
+each host, the reduced shards all-reduced across hosts). Per round each side
 times --steps steps; the table gives the medians, the median of the paired
 per-round ratios (pydist / torch: below 1 is faster), and the bytes host 0
 sent over its link per step (its eth0 counter, every rank of the host
-together). HSDP is not measured: it needs the sharded wrapper's DTensor
-layouts (another issue).
+together).
 """
 
 from __future__ import annotations
@@ -85,6 +86,21 @@ def worker(args) -> None:
     torch_fully_shard(fs_theirs)
     pairs["full_shard"] = ((fs_ours, torch.optim.Adam(fs_ours.parameters(), lr=1e-3)),
                            (fs_theirs, torch.optim.Adam(fs_theirs.parameters(), lr=1e-3)))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hosts = dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"])
+    shape, names = (hosts, int(os.environ["LOCAL_WORLD_SIZE"])), ("replicate", "shard")
+    hs_ours, hs_theirs = model(), model()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    for layer in hs_ours:
+        pydist.fully_shard(layer, mesh=mesh)
+    pydist.fully_shard(hs_ours, mesh=mesh)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)  # torch's own groups
+    for layer in hs_theirs:
+        torch_fully_shard(layer, mesh=mesh)
+    torch_fully_shard(hs_theirs, mesh=mesh)
+    pairs["hsdp"] = ((hs_ours, torch.optim.Adam(hs_ours.parameters(), lr=1e-3)),
+                     (hs_theirs, torch.optim.Adam(hs_theirs.parameters(), lr=1e-3)))
     for name, (a, b) in pairs.items():
         timed(*a)  # warm-up: buckets rebuilt, segments mapped, connections made
         timed(*b)

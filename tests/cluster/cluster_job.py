@@ -137,6 +137,44 @@ def run_fsdp(out: dict) -> None:
     out["max_diff_vs_torch"] = max((mine[k] - torch_full[k]).abs().max().item() for k in torch_full)
     full = torch.cat([mine[k].reshape(-1) for k in sorted(mine)])
     out["params_hash"] = digest(full)
+    run_hsdp(out)
+
+
+def run_hsdp(out: dict) -> None:
+    """HSDP with each host's ranks as the shard group (the mesh's rows are
+    the hosts, whatever order the launcher numbered the ranks in), beside
+    torch's HSDP on the same mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from pydist import topology
+    from pydist.fsdp import full_state_dict
+    from pydist.fsdp._utils import _root_state
+
+    rank = dist.get_rank()
+    hosts = torch.tensor(topology.of().hosts)  # (replicas, shards): row h is host h's ranks
+
+    def mesh():
+        return DeviceMesh("cpu", hosts, mesh_dim_names=("replicate", "shard"))
+
+    ours, theirs = model_of(0), model_of(0)
+    for wrap, m, on in ((pydist.fully_shard, ours, mesh()), (torch_fully_shard, theirs, mesh())):
+        for block in m:
+            wrap(block, mesh=on)
+        wrap(m, mesh=on)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (ours, theirs)]
+    for step in range(3):
+        x, y = batch(step, rank)
+        for m, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+    root = _root_state(ours)
+    out["hsdp_transports"] = [root.transport.name, root.replicate_transport.name]
+    mine = full_state_dict(ours)
+    torch_full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    out["hsdp_max_diff_vs_torch"] = max((mine[k] - torch_full[k]).abs().max().item() for k in torch_full)
+    out["hsdp_params_hash"] = digest(torch.cat([mine[k].reshape(-1) for k in sorted(mine)]))
 
 
 def run_fault(out: dict, out_path: str) -> None:

@@ -103,7 +103,9 @@ def test_fully_shard_across_hosts_under_slurm_cyclic(cluster, tmp_path):
     """pydist.fully_shard (FULL_SHARD) beside torch FSDP2, launched as
     ``srun -m cyclic`` would (SLURM_* variables, rank t on host t % 2, so the
     hierarchical reduce-scatter and all-gather see interleaved hosts): equal
-    to rounding, identical on every rank."""
+    to rounding, identical on every rank. Then HSDP, each host's ranks the
+    shard group (shared memory), the hosts the replicas (gloo across):
+    bitwise torch's HSDP on the same mesh."""
     codes, log = _run(cluster, "slurm-cyclic", "fsdp", tmp_path)
     assert codes == [0, 0, 0, 0], log[-3000:]
     results = _results(tmp_path)
@@ -114,6 +116,9 @@ def test_fully_shard_across_hosts_under_slurm_cyclic(cluster, tmp_path):
         assert r["transport"].startswith("hierarchical"), r["transport"]
         assert r["max_diff_vs_torch"] < 1e-6
         assert r["params_hash"] == results[0]["params_hash"]
+        assert r["hsdp_transports"] == ["shm", "gloo"], r["hsdp_transports"]
+        assert r["hsdp_max_diff_vs_torch"] == 0.0
+        assert r["hsdp_params_hash"] == results[0]["hsdp_params_hash"]
 
 
 @pytest.mark.timeout(90)
