@@ -262,6 +262,44 @@ def _all_gather_sharded_tensor(sharded_tensor, pg=None, device=None) -> torch.Te
     return torch.cat([rows[r, :n] for r, n in enumerate(counts)]).view(size)
 
 
+# [Note: resuming a model built on the meta device]
+# FSDP2's documented resume: build on the meta device, fully_shard, then
+# ``set_model_state_dict(model, full_sd, options=StateDictOptions(
+# full_state_dict=True, broadcast_from_rank0=True))`` (rank 0 alone holding
+# the dict) and ``set_optimizer_state_dict`` likewise, with no to_empty or
+# init in between. torch's loader puts the dict's values in place of the meta
+# tensors; pydist's units keep full-size meta parameters until to_empty (see
+# [Note: a unit built on the meta device] in _fsdp_param_group.py), so the
+# load first materializes them, empty, on the device the group computes on
+# (CUDA under NCCL, else the CPU), and the dict fills them. Every unit of the
+# model must still be on the meta device then (a model half materialized is
+# refused, naming a unit that is not). The optimizer's broadcast gives every
+# rank rank 0's whole dict (one broadcast of the pickled dict over the
+# world), which pydist then cuts into this rank's shards.
+
+def _load_model_state_dict(model, state_dict, info):
+    """torch's, into units still on the meta device too: see [Note: resuming
+    a model built on the meta device]."""
+    units = _units(model)
+    meta = [pg for pg in units if pg.materializing == "meta"]
+    if meta and (info.full_state_dict or info.broadcast_from_rank0):
+        ready = [pg for pg in units if pg.materializing != "meta"]
+        if ready:
+            raise NotImplementedError(
+                f"pydist set_model_state_dict: units {[pg.label for pg in meta][:3]} are on the meta device and "
+                f"{[pg.label for pg in ready][:3]} are not; call model.to_empty(...) on the whole model first")
+        backend = dist.get_backend()
+        model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu")
+    return _torch_checkpoint_api["load_model"](model, state_dict, info)
+
+
+def _from_rank0(state_dict: dict) -> dict:
+    """Rank 0's ``state_dict`` on every rank of the world (pickled, one broadcast)."""
+    box = [state_dict if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _takes_optimizers(model, optimizers, info, what: str) -> bool:
     """Whether pydist's optimizer state dict answers torch's ``what`` call."""
     if not info.handle_optim or info.fsdp_modules or not any(pg.sharded for pg in _units(model)):
@@ -288,9 +326,8 @@ def _load_optim_state_dict(model, optimizers, state_dict, info):
         return _torch_checkpoint_api["load"](model, optimizers, state_dict, info)
     from torch.distributed.checkpoint import state_dict as torch_state_dict
 
-    if info.broadcast_from_rank0:
-        raise NotImplementedError("torch's set_optimizer_state_dict with broadcast_from_rank0 on a pydist model: "
-                                  "load the full dict on every rank instead")
+    if info.broadcast_from_rank0:  # rank 0 holds the full dict, the others {}: every rank gets rank 0's
+        state_dict = _from_rank0(state_dict)
     if not state_dict:
         return
     if "state" not in state_dict:  # flatten_optimizer_state_dict's layout, unflattened by the state's names
@@ -325,6 +362,7 @@ def install_torch_checkpoint_api() -> None:
         return
     _torch_checkpoint_api["get"], api._get_optim_state_dict = api._get_optim_state_dict, _get_optim_state_dict
     _torch_checkpoint_api["load"], api._load_optim_state_dict = api._load_optim_state_dict, _load_optim_state_dict
+    _torch_checkpoint_api["load_model"], api._load_model_state_dict = api._load_model_state_dict, _load_model_state_dict
 
 
 def _to_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:

@@ -241,3 +241,73 @@ def _resume_rank(rank, world_size, path):
 @pytest.mark.timeout(120)
 def test_meta_device_build_resumes_from_a_checkpoint(tmp_path):
     assert run_ranks(_resume_rank, 2, args=(str(tmp_path / "ckpt"),), timeout=100) == [(True, True, True)] * 2
+
+
+def _broadcast_resume_rank(rank, world_size):
+    """FSDP2's documented resume, under torch's fully_shard and pydist's: a
+    model built on the meta device and sharded gets a full model and
+    optimizer state dict held by rank 0 alone (broadcast_from_rank0), pydist's
+    with no to_empty or init in between (see [Note: resuming a model built
+    on the meta device]); both then train on, from torch's checkpoint."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import pydist
+
+    def build(wrap, meta, **kwargs):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            model = Nested()
+        for m in model.units():
+            wrap(m, **kwargs)
+        wrap(model, **kwargs)
+        return model
+
+    def train(model, opt, steps):
+        for step in steps:
+            g = torch.Generator().manual_seed(rank * 1000 + step)
+            F.mse_loss(model(torch.randn(8, IN, generator=g)), torch.randn(8, 4, generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    full = StateDictOptions(full_state_dict=True)
+    mesh = init_device_mesh("cpu", (world_size,))
+    trained = build(torch_fully_shard, False, mesh=mesh)
+    opt = torch.optim.AdamW(trained.parameters(), lr=0.01)
+    train(trained, opt, range(2))
+    msd, osd = get_model_state_dict(trained, options=full), get_optimizer_state_dict(trained, opt, options=full)
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    out = {}
+    for name, wrap, kwargs in (("torch", torch_fully_shard, {"mesh": mesh}), ("pydist", pydist.fully_shard, {})):
+        model = build(wrap, True, **kwargs)
+        if name == "torch":
+            # torch 2.13's broadcast_from_rank0 into FSDP2's DTensors fails on
+            # gloo (c10d.broadcast_ has no DTensor sharding strategy): torch
+            # loads the full dicts on every rank, after to_empty.
+            # (Both loaders put their own values into the dict they are given: each gets a copy.)
+            model.to_empty(device="cpu")
+            set_model_state_dict(model, copy.deepcopy(msd), options=full)
+            resumed = torch.optim.AdamW(model.parameters(), lr=0.01)
+            set_optimizer_state_dict(model, resumed, copy.deepcopy(osd), options=full)
+        else:
+            set_model_state_dict(model, copy.deepcopy(msd) if rank == 0 else {}, options=broadcast)
+            resumed = torch.optim.AdamW(model.parameters(), lr=0.01)
+            set_optimizer_state_dict(model, resumed, copy.deepcopy(osd) if rank == 0 else {}, options=broadcast)
+        train(model, resumed, range(2, 4))
+        out[name] = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_meta_model_resumes_from_rank0_broadcast_as_torchs():
+    """See _broadcast_resume_rank; pydist's run lands bitwise on torch's."""
+    for out in run_ranks(_broadcast_resume_rank, 2, timeout=100):
+        assert sorted(out["pydist"]) == sorted(out["torch"])
+        for k, v in out["torch"].items():
+            assert torch.equal(out["pydist"][k], v), f"{k}: max abs diff {(out['pydist'][k] - v).abs().max()}"
