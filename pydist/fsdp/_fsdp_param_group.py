@@ -290,6 +290,11 @@ class FSDPParamGroup:
         # None: no replica to all-reduce with). See [Note: HSDP].
         self.replicate_transport = None
         self._replica_reduce: ReplicaReduce | None = None
+        # HSDP: False (set_requires_all_reduce) keeps this unit's reduced
+        # shards in _partial, summed over backwards, until a backward with
+        # True all-reduces them with its own. See [Note: HSDP].
+        self.requires_all_reduce = True
+        self._partial: torch.Tensor | None = None
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         # See [Note: parameters without a gradient]: True gives every
@@ -788,9 +793,10 @@ class FSDPParamGroup:
                 completed = reduce.future.wait()
                 kind = "reduce_scatter" if self.sharded else "all_reduce"
                 self._timings.append((kind, "backward", self._reduce_issued, needed, completed))
-            params, offsets = [], []
-            self.grads_to_hand_out(params, offsets, 0)
-            _hand_out_grads(reduce.output, self, params, offsets)
+            if replica is None or not replica.held:  # held (set_requires_all_reduce(False)): no .grad now
+                params, offsets = [], []
+                self.grads_to_hand_out(params, offsets, 0)
+                _hand_out_grads(reduce.output, self, params, offsets)
         # See [Note: resharding after backward]. (Most units resharded in their post-backward.)
         if self.sharded_state is not ShardedState.SHARDED:
             if self.reshard_after_backward or self.sharded_state is not ShardedState.UNSHARDED:
@@ -805,7 +811,7 @@ class FSDPParamGroup:
         [Note: HSDP]."""
         if self.replicate_transport is not None and self._reduce is not None and self._replica_reduce is None:
             self._replica_reduce = ReplicaReduce(self.replicate_transport, self._reduce.future, self._reduce_issued,
-                                                 self._reduce.output)
+                                                 self._reduce.output, [(self, 0)])
 
     def has_pending_grads(self) -> bool:
         """Whether gradients of earlier backwards wait to be reduced (gradient
@@ -852,6 +858,7 @@ class FSDPParamGroup:
         shards' ``.grad`` (reduced by earlier backwards) are left as they are."""
         reduce, self._reduce = self._reduce, None
         replica, self._replica_reduce = self._replica_reduce, None
+        self._partial = None  # HSDP: what the failed iteration held goes with its gradients
         if replica is not None:
             replica.wait()  # HSDP: every rank issued it too
         elif reduce is not None:
@@ -1231,7 +1238,10 @@ class ReduceLayout:
 # two is exact, which makes it bitwise torch's HSDP (which divides by S and
 # R at the same points) at 2 x 2. The all-reduces start at the root's final
 # callback, every batch's before the first is waited on, in the same order
-# on every rank; a replicate group of one rank has nothing to reduce (no
+# on every rank. set_requires_all_reduce(False) skips it as torch does: the
+# reduced shards are summed into each unit's _partial and no .grad is handed
+# out; the next backward that all-reduces adds _partial to its own shards
+# first (torch's order of additions). A replicate group of one rank has nothing to reduce (no
 # transport), and a shard group of one reduce-scatters to itself, so no mesh
 # shape skips the all-reduce. The root's checks (the same wrapping, the same
 # built model, the same forward order) and its agreement on which
@@ -1242,15 +1252,34 @@ class ReplicaReduce:
     """HSDP: one reduce-scatter's output all-reduced over the replicas,
     started once the reduce-scatter is done. See [Note: HSDP]."""
 
-    def __init__(self, replicate, scattered, issued_ns: int, output: torch.Tensor):
+    def __init__(self, replicate, scattered, issued_ns: int, output: torch.Tensor, members: list):
+        """``members``: (unit, where its shard starts in ``output``)."""
         needed = time.monotonic_ns()
         completed = scattered.wait()
         self.scatter_record = ("reduce_scatter", "backward", issued_ns, needed, completed)
+        wanted = {pg.requires_all_reduce for pg, _ in members}
+        if len(wanted) > 1:
+            raise NotImplementedError(
+                "pydist.fully_shard: set_requires_all_reduce differs between units reduced together ("
+                + ", ".join(f"{pg.label!r}: {pg.requires_all_reduce}" for pg, _ in members)
+                + "); set it on the root (recurse=True), or set_collective_batch_bytes(0)")
+        # torch's order: the held sum accumulates each backward's shard; the
+        # all-reducing backward adds the held sum to its own shard.
+        self.held = wanted == {False}
+        for pg, start in members:
+            piece = output.narrow(0, start, pg.shard_numel)
+            if self.held:
+                pg._partial = piece.clone() if pg._partial is None else pg._partial.add_(piece)
+            elif pg._partial is not None:
+                piece.add_(pg._partial)
+                pg._partial = None
         self.issued_ns = time.monotonic_ns()
-        self.future = replicate.all_reduce(output, 1.0 / replicate.world_size)
+        self.future = None if self.held else replicate.all_reduce(output, 1.0 / replicate.world_size)
 
     def wait(self) -> list:
-        """Waits; the records of both collectives."""
+        """Waits; the records of the collectives."""
+        if self.held:
+            return [self.scatter_record]
         needed = time.monotonic_ns()
         completed = self.future.wait()
         return [self.scatter_record, ("all_reduce", "backward", self.issued_ns, needed, completed)]
@@ -1355,7 +1384,8 @@ class GradBatch:
         all-reduce of its output over the replicas. See [Note: HSDP]."""
         replicate = self.arrived[0].replicate_transport if self.arrived else None
         if replicate is not None and self.future is not None and self.replica is None:
-            self.replica = ReplicaReduce(replicate, self.future, self.issued_ns, self.output)
+            self.replica = ReplicaReduce(replicate, self.future, self.issued_ns, self.output,
+                                         [(pg, self.columns[id(pg)]) for pg in self.arrived])
 
     def finalize(self, all_trainable: bool = False) -> None:
         """Waits for the collective (and the replicas' all-reduce, HSDP);
@@ -1366,13 +1396,19 @@ class GradBatch:
         if self.future is None:
             return
         self.reduce_replicas()
+        held = False
         if self.replica is not None:
-            records = self.replica.wait()
+            records, held = self.replica.wait(), self.replica.held
         else:
             needed = time.monotonic_ns()
             records = [("reduce_scatter", "backward", self.issued_ns, needed, self.future.wait())]
         self.future = self.replica = None
         arrived = self.arrived
+        if held:  # set_requires_all_reduce(False): the shards wait in the units' _partial, no .grad now
+            for pg in arrived:
+                pg._timings += records
+            self.input = self.output = None
+            return
         # The arrived members' parts, each at its column, in one C++ call.
         if len(arrived) == len(self.members) and (all_trainable or all(pg._grads_for is None for pg in arrived)):
             _hand_out_grads(self.output, arrived[0], *self.layout.trainable_hand_out())

@@ -281,9 +281,13 @@ class FSDPModule:
         raise NotImplementedError("pydist.fully_shard: set_is_last_backward is not implemented yet")
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: every synced backward all-reduces over the replicas (see
-        [Note: HSDP]); skipping it while accumulating is not implemented."""
-        _refuse(not requires_all_reduce, "set_requires_all_reduce(False) (HSDP accumulation without the all-reduce)")
+        """HSDP: whether a synced backward all-reduces over the replicas.
+        False (accumulating micro-batches): each backward still
+        reduce-scatters, its shards are summed and held, and the next
+        backward with True adds them to its own before the all-reduce; no
+        ``.grad`` is handed out meanwhile, as under torch. See [Note: HSDP]."""
+        for pg in self._param_groups(recurse):
+            pg.requires_all_reduce = requires_all_reduce
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         _refuse(True, "set_all_reduce_hook")

@@ -149,6 +149,10 @@ class Scenario:
     forward_prefetch: bool = False  # fsdp1's forward_prefetch
     device: str = "cpu"  # where the model trains: fsdp2 moves it there before fully_shard, fsdp1 passes device_id
     mesh: tuple | None = None  # HSDP: (replicate, shard) sizes of a 2-D mesh (fsdp1: with a HYBRID strategy)
+    # fsdp2, how micro-batches before the last skip communication: "sync"
+    # (set_requires_gradient_sync(False): no reduction at all), "all_reduce"
+    # (HSDP: set_requires_all_reduce(False): reduce-scatter, no all-reduce)
+    accumulate: str = "sync"
     # How pydist's fsdp1 clips: "method" (model.clip_grad_norm_), "torch"
     # (torch.nn.utils.clip_grad_norm_(model.parameters())), "torch reversed"
     # (the parameters in reverse). torch's fsdp1 always calls its method.
@@ -272,7 +276,10 @@ def _dtype(name: str | None):
 def _sync_context(impl: str, sc: Scenario, model, sync: bool):
     if sc.api == "fsdp1":
         return contextlib.nullcontext() if sync else model.no_sync()
-    model.set_requires_gradient_sync(sync)
+    if sc.accumulate == "all_reduce":
+        model.set_requires_all_reduce(sync)
+    else:
+        model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
 

@@ -25,6 +25,7 @@ def test_hsdp_is_bitwise_torch_hsdp_on_a_2x2_mesh():
         Scenario(mesh=(2, 2)),
         Scenario(mesh=(2, 2), model="nested", optimizer="adam", mixed=True),
         Scenario(mesh=(2, 2), model="nested", reshard_after_forward=False, micro_steps=2, steps=3),
+        Scenario(mesh=(2, 2), model="nested", optimizer="adam", micro_steps=3, steps=2, accumulate="all_reduce"),
         Scenario(mesh=(2, 2), api="fsdp1", strategy="HYBRID_SHARD", optimizer="adam"),
         Scenario(mesh=(2, 2), api="fsdp1", strategy="_HYBRID_SHARD_ZERO2", model="nested"),
     ]
