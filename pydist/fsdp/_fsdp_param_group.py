@@ -295,6 +295,9 @@ class FSDPParamGroup:
         # True all-reduces them with its own. See [Note: HSDP].
         self.requires_all_reduce = True
         self._partial: torch.Tensor | None = None
+        # set_all_reduce_hook's hook: called with the unit's reduced shard
+        # (after the replicas' all-reduce under HSDP) before it becomes .grad.
+        self.all_reduce_hook = None
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         # See [Note: parameters without a gradient]: True gives every
@@ -794,6 +797,8 @@ class FSDPParamGroup:
                 kind = "reduce_scatter" if self.sharded else "all_reduce"
                 self._timings.append((kind, "backward", self._reduce_issued, needed, completed))
             if replica is None or not replica.held:  # held (set_requires_all_reduce(False)): no .grad now
+                if self.all_reduce_hook is not None and self.sharded:
+                    self.all_reduce_hook(reduce.output)
                 params, offsets = [], []
                 self.grads_to_hand_out(params, offsets, 0)
                 _hand_out_grads(reduce.output, self, params, offsets)
@@ -1409,6 +1414,9 @@ class GradBatch:
                 pg._timings += records
             self.input = self.output = None
             return
+        for pg in arrived:
+            if pg.all_reduce_hook is not None:
+                pg.all_reduce_hook(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
         # The arrived members' parts, each at its column, in one C++ call.
         if len(arrived) == len(self.members) and (all_trainable or all(pg._grads_for is None for pg in arrived)):
             _hand_out_grads(self.output, arrived[0], *self.layout.trainable_hand_out())

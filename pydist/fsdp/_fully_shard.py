@@ -290,7 +290,17 @@ class FSDPModule:
             pg.requires_all_reduce = requires_all_reduce
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
-        _refuse(True, "set_all_reduce_hook")
+        """``hook(reduce_output)`` once this unit's gradients are reduced (the
+        reduce-scatter's output; under HSDP, after the replicas' all-reduce),
+        before they become ``.grad``, on the thread that waits for them; it
+        may change the tensor in place. The tensor is this unit's flat shard
+        (pydist's layout, not FSDP2's per-parameter padded chunks), so a hook
+        that works element by element sees what torch's would. ``stream`` is
+        for CUDA streams, which this hook does not take."""
+        _refuse(stream is not None, "set_all_reduce_hook(stream=...)")
+        state = state_of(self)
+        if state.param_group is not None:
+            state.param_group.all_reduce_hook = hook
 
 
 def _state_or_raise(module: nn.Module) -> FSDPState:

@@ -44,3 +44,51 @@ def test_every_mesh_shape_synchronizes_the_replicas():
             got = results[rank][i]["pydist"]
             for k, v in ref.params.items():
                 assert_close(v, got.params[k], False, f"mesh {sc.mesh} rank {rank} param {k}", rtol=RTOL, atol=ATOL)
+
+
+def _hooked_rank(rank, world_size):
+    """torch's and pydist's HSDP with one all-reduce hook on every unit that
+    changes the reduced gradients in place (an element-wise clamp and a
+    count of its calls); the parameters after 3 SGD steps."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import pydist
+    from fsdp_harness import MODELS, make_batch
+    from pydist.fsdp import full_state_dict
+
+    out = {}
+    for name, wrap in (("torch", torch_fully_shard), ("pydist", pydist.fully_shard)):
+        torch.manual_seed(0)
+        model = MODELS["nested"]()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        calls = []
+
+        def hook(reduced, calls=calls):
+            calls.append(1)
+            reduced.clamp_(-1e-3, 1e-3)
+
+        for m in model.units() + [model]:
+            wrap(m, mesh=mesh)
+            m.set_all_reduce_hook(hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = make_batch(Scenario(), rank, step, 0)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        sd = full_state_dict(model) if name == "pydist" else {k: v.full_tensor() for k, v in model.state_dict().items()}
+        out[name] = ({k: v.clone() for k, v in sd.items()}, len(calls))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_all_reduce_hook_changes_the_gradients_as_torchs():
+    from pydist.spawn import run_ranks
+
+    for out in run_ranks(_hooked_rank, 4, timeout=100):
+        (ref, ref_calls), (got, got_calls) = out["torch"], out["pydist"]
+        assert got_calls == ref_calls == 3 * 7, (got_calls, ref_calls)  # 7 units, once per backward each
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), f"{k}: max abs diff {(got[k] - v).abs().max()}"
