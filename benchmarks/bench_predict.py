@@ -142,11 +142,15 @@ def main():
                 runs = [per_rank[r][(m, bw, cap)] for r in range(len(per_rank))]
                 steps = [statistics.fmean(s) for rnd in zip(*runs) for s in zip(*rnd)]  # ranks' mean per step
                 measured = statistics.median(steps)
+                # noise floor: how far one round's median lies from the median of every round
+                rounds = [statistics.median(statistics.fmean(s) for s in zip(*rnd)) for rnd in zip(*runs)]
+                noise = statistics.fmean(abs(x - measured) / measured for x in rounds)
                 settings = predict.settings_for(recording, link=link, bucket_cap_mb=cap, chunk_mb=0)
                 predicted = predict.predict(recording, settings, cal).step_ms
                 measured_by_cap[cap] = measured
                 rows.append({"model": m, "bandwidth_gbps": bw, "cap_mb": cap, "measured_ms": measured,
-                             "predicted_ms": predicted, "error": (predicted - measured) / measured})
+                             "predicted_ms": predicted, "error": (predicted - measured) / measured,
+                             "round_noise": noise})
             rec = predict.recommend(recording, predict.settings_for(recording, link=link, chunk_mb=0), args.caps, cal)
             best = min(measured_by_cap, key=measured_by_cap.get)
             recommended.append({"model": m, "bandwidth_gbps": bw, "recommended_cap_mb": rec["cap_mb"],
@@ -157,7 +161,8 @@ def main():
               f"{predict.recorded_step_ms(recording):.2f} ms; calibration {json.dumps(cal.describe())}",
               file=sys.stderr)
     mae = statistics.fmean(abs(r["error"]) for r in rows)
-    result = {"cells": rows, "recommended": recommended, "mae": mae, "seconds": time.perf_counter() - started,
+    noise = statistics.fmean(r["round_noise"] for r in rows)
+    result = {"cells": rows, "recommended": recommended, "mae": mae, "round_noise": noise, "seconds": time.perf_counter() - started,
               "record": {"bandwidth_gbps": args.record[0], "cap_mb": args.record[1]}, "rounds": args.rounds,
               "steps": args.steps}
     if args.json:
@@ -166,11 +171,13 @@ def main():
     print(f"2 ranks, simulated link latency {args.latency}, whole buckets; the trace's step (end of forward to "
           f"grads written back), measured: median over {args.rounds} rounds x {args.steps} steps; predicted from "
           f"one run per model recorded at {args.record[0]:g} Gb/s, cap {args.record[1]:g} MB")
-    print(f"{'model':<6} {'Gb/s':>6} {'cap MB':>7} {'measured ms':>11} {'predicted ms':>12} {'error':>7}")
+    print(f"{'model':<6} {'Gb/s':>6} {'cap MB':>7} {'measured ms':>11} {'predicted ms':>12} {'error':>7} "
+          f"{'round noise':>11}")
     for r in rows:
         print(f"{r['model']:<6} {r['bandwidth_gbps']:>6g} {r['cap_mb']:>7g} {r['measured_ms']:>11.2f} "
-              f"{r['predicted_ms']:>12.2f} {100 * r['error']:>+6.1f}%")
-    print(f"mean absolute error {100 * mae:.1f}% over {len(rows)} cells (target <= 8%)")
+              f"{r['predicted_ms']:>12.2f} {100 * r['error']:>+6.1f}% {100 * r['round_noise']:>10.1f}%")
+    print(f"mean absolute error {100 * mae:.1f}% over {len(rows)} cells (target <= 8%); one round's median "
+          f"lies {100 * noise:.1f}% from the all-round median on average (the measurement's own noise)")
     for r in recommended:
         print(f"{r['model']:<6} {r['bandwidth_gbps']:>6g} Gb/s: recommended cap {r['recommended_cap_mb']:g} MB "
               f"measures {r['recommended_measured_ms']:.2f} ms, best measured {r['best_cap_mb']:g} MB "

@@ -299,15 +299,17 @@ def calibrate(recording: Recording) -> Calibration:
             for k, c in enumerate(r.chunks):
                 launches.setdefault(k, []).append(r.start_ms + c.launch_ms)
         for r in ranks:
-            free = -math.inf
+            free, previous = -math.inf, -math.inf
             for k, c in enumerate(r.chunks):
                 due = max(c.launch_ms, free) + _link_ms(c.bytes, n, link)
                 free = due
                 late = c.complete_ms - due
                 lateness.append(late)
                 if late > _INNER_BOUND_MS and c.bytes >= _INNER_MIN_BYTES:
-                    all_launched = max(launches[k]) - r.start_ms
-                    inner.append((c.complete_ms - all_launched, c.bytes))
+                    # the transport starts it once every rank launched it and it finished the one before
+                    start = max(max(launches[k]) - r.start_ms, previous)
+                    inner.append((c.complete_ms - start, c.bytes))
+                previous = c.complete_ms
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
     inner_per_byte = (max(0.0, statistics.median((t - delay) / b for t, b in inner)) if inner else 0.0)
