@@ -19,6 +19,15 @@ the mean absolute error (the issue's target: <= 8%), and per model and link
 the best measured cap against the predictor's recommended cap (its measured
 step within 5% of the best).
 
+[Note: a shared machine]
+On a machine shared with other work the load drifts over minutes, and a run
+recorded before the sweep can land in a busier or quieter stretch than the
+cells it predicts (steps 2x apart were seen here). So by default the recorded
+run's steps (one DDP, one trace) are taken one at a time between measured
+cells, spread over the whole sweep; --record-first records them all first.
+The "round noise" column says how far one round's median lies from the
+median over rounds: errors below it cannot be told from noise.
+
 Models and links are bench_overlap.py's (2 CPU ranks, the shared-memory
 transport behind the simulated link).
 """
@@ -83,18 +92,55 @@ def _record(model_name, bw, latency, cap, steps, rank, directory):
         del os.environ["PYDIST_TRACE"]
 
 
+class _Recorder:
+    """One recorded run of a model (PYDIST_TRACE, as an unchanged script
+    gets it) whose steps are taken one at a time, between measured cells."""
+
+    def __init__(self, model_name, bw, latency, cap, rank, directory):
+        from pydist import DistributedDataParallel as DDP
+        from pydist.overlap import hooks
+
+        os.environ["PYDIST_TRACE"] = directory
+        try:
+            self.ddp = DDP(build_model(model_name), bucket_cap_mb=cap, allreduce_chunk_mb=0,
+                           sim_net=f"{bw}Gbps,{latency}")
+        finally:
+            del os.environ["PYDIST_TRACE"]
+        self.session = hooks.TraceSession.get(directory)
+        self.x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
+
+    def step(self):
+        dist.barrier()
+        _step(self.ddp, self.x)
+
+
 def sweep(rank, world_size, args, directories):
+    cells = [(m, bw, cap) for m in args.models for bw in args.bandwidths for cap in args.caps]
+    recorders = {}
     for m in args.models:
         # a cell first, discarded: the recording should see a warmed-up process, as the measured cells do
         _run(m, args.record[0], args.latency, args.record[1], args.steps, rank)
-        _record(m, args.record[0], args.latency, args.record[1], args.record_steps, rank, directories[m])
-    cells = [(m, bw, cap) for m in args.models for bw in args.bandwidths for cap in args.caps]
+        if args.record_first:
+            _record(m, args.record[0], args.latency, args.record[1], args.record_steps, rank, directories[m])
+        else:
+            recorders[m] = _Recorder(m, args.record[0], args.latency, args.record[1], rank, directories[m])
+            for _ in range(2):
+                recorders[m].step()
+    # Recorded steps spread evenly over the sweep: see [Note: a shared machine] in the module docstring.
+    every = max(1, (args.rounds * len(cells)) // max(1, args.record_steps))
     times: dict = {}
+    done = 0
     for r in range(args.rounds):
         order = list(cells)
         random.Random(r).shuffle(order)  # the same order on every rank
         for m, bw, cap in order:
             times.setdefault((m, bw, cap), []).append(_run(m, bw, args.latency, cap, args.steps, rank))
+            done += 1
+            if done % every == 0:
+                for rec in recorders.values():
+                    rec.step()
+    for rec in recorders.values():
+        rec.session.write()
     return times
 
 
@@ -106,7 +152,9 @@ def main():
     parser.add_argument("--caps", type=floats, default=[0.25, 1.0, 4.0, 25.0], help="bucket_cap_mb values")
     parser.add_argument("--record", type=floats, default=[10.0, 1.0], metavar="GBPS,CAP",
                         help="the recorded run's link (Gb/s) and cap (MB)")
-    parser.add_argument("--record-steps", type=int, default=12, help="steps of the recorded run")
+    parser.add_argument("--record-steps", type=int, default=12, help="steps of the recorded run (about)")
+    parser.add_argument("--record-first", action="store_true",
+                        help="record every step of the recorded run before measuring (default: spread over the sweep)")
     parser.add_argument("--latency", default="20us")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per cell per round")
