@@ -24,7 +24,9 @@ On a machine shared with other work the load drifts over minutes, and a run
 recorded before the sweep can land in a busier or quieter stretch than the
 cells it predicts (steps 2x apart were seen here). So by default the recorded
 run's steps (one DDP, one trace) are taken one at a time between measured
-cells, spread over the whole sweep; --record-first records them all first.
+cells, spread over the whole sweep, each after an unrecorded warm-up step
+(records off), as a measured cell's steps follow warm-up steps; --record-first
+records them all first.
 The "round noise" column says how far one round's median lies from the
 median over rounds: errors below it cannot be told from noise.
 
@@ -110,6 +112,15 @@ class _Recorder:
         self.x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
 
     def step(self):
+        """One recorded step, after an unrecorded one: the measured cells'
+        steps follow warm-up steps of their own model too, this one the
+        steps of another cell's."""
+        from pydist.overlap import recording
+
+        self.ddp.set_record_timing(False)
+        dist.barrier()
+        _step(self.ddp, self.x)
+        self.ddp.set_record_timing(True, keep=recording.DEFAULT_KEEP)
         dist.barrier()
         _step(self.ddp, self.x)
 

@@ -55,8 +55,9 @@ from typing import NamedTuple, Sequence
 
 from pydist.overlap import network
 
-__all__ = ["Settings", "Calibration", "Prediction", "load_recording", "chunk_slots", "rebucket", "predict",
-           "recommend"]
+__all__ = ["Settings", "Calibration", "Prediction", "BucketPrediction", "Recording", "load_recording", "chunk_slots",
+           "rebucket", "calibrate", "settings_for", "predict", "recommend", "recorded_step_ms", "predict_json",
+           "predict_text"]
 
 MB = 1024 * 1024
 # Lateness (ms) beyond which a recorded chunk counts as finished by the
