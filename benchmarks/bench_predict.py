@@ -3,7 +3,7 @@ model, predict every cell of a link x bucket-cap grid from it, measure every
 cell, and compare.
 
     python benchmarks/bench_predict.py [--models wide,deep] [--bandwidths 1,10,100] [--caps 0.25,1,4,25]
-                                       [--record 10,1] [--latency 20us] [--rounds 3] [--steps 4] [--json]
+                                       [--chunks 0,1] [--record 10,1] [--latency 20us] [--rounds 3] [--steps 4] [--json]
                                        [--keep DIR [--reuse]]
 
 Per model, one recorded run (PYDIST_TRACE, --record-steps steps at the --record
@@ -60,12 +60,12 @@ def _step(ddp, x):
     ddp(x).square().mean().backward()
 
 
-def _run(model_name, bw, latency, cap, steps, rank):
+def _run(model_name, bw, latency, cap, steps, rank, chunk=0.0):
     """Per timed step: the trace's step (ms from the end of forward to the gradients written back)."""
     from pydist import DistributedDataParallel as DDP
     from pydist import overlap
 
-    ddp = DDP(build_model(model_name), bucket_cap_mb=cap, allreduce_chunk_mb=0, sim_net=f"{bw}Gbps,{latency}")
+    ddp = DDP(build_model(model_name), bucket_cap_mb=cap, allreduce_chunk_mb=chunk, sim_net=f"{bw}Gbps,{latency}")
     overlap.record(ddp)
     x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
@@ -126,7 +126,8 @@ class _Recorder:
 
 
 def sweep(rank, world_size, args, directories):
-    cells = [(m, bw, cap) for m in args.models for bw in args.bandwidths for cap in args.caps]
+    cells = [(m, bw, cap, chunk) for m in args.models for bw in args.bandwidths for cap in args.caps
+             for chunk in args.chunks]
     recorders = {}
     for m in args.models:
         # a cell first, discarded: the recording should see a warmed-up process, as the measured cells do
@@ -144,8 +145,8 @@ def sweep(rank, world_size, args, directories):
     for r in range(args.rounds):
         order = list(cells)
         random.Random(r).shuffle(order)  # the same order on every rank
-        for m, bw, cap in order:
-            times.setdefault((m, bw, cap), []).append(_run(m, bw, args.latency, cap, args.steps, rank))
+        for m, bw, cap, chunk in order:
+            times.setdefault((m, bw, cap, chunk), []).append(_run(m, bw, args.latency, cap, args.steps, rank, chunk))
             done += 1
             if done % every == 0:
                 for rec in recorders.values():
@@ -161,6 +162,8 @@ def main():
     parser.add_argument("--models", type=lambda s: s.split(","), default=["wide", "deep"])
     parser.add_argument("--bandwidths", type=floats, default=[1.0, 10.0, 100.0], help="Gb/s")
     parser.add_argument("--caps", type=floats, default=[0.25, 1.0, 4.0, 25.0], help="bucket_cap_mb values")
+    parser.add_argument("--chunks", type=floats, default=[0.0],
+                        help="allreduce_chunk_mb values of the measured cells (0: whole buckets; the recording's is 0)")
     parser.add_argument("--record", type=floats, default=[10.0, 1.0], metavar="GBPS,CAP",
                         help="the recorded run's link (Gb/s) and cap (MB)")
     parser.add_argument("--record-steps", type=int, default=12, help="steps of the recorded run (about)")
@@ -184,7 +187,8 @@ def main():
     measured_path = os.path.join(base, "measured.json")
     if args.reuse:  # the recordings and measurements of an earlier --keep DIR run: predict again only
         with open(measured_path) as f:
-            per_rank = [{tuple(json.loads(k)): v for k, v in rank.items()} for rank in json.load(f)]
+            per_rank = [{tuple(json.loads(k)) + ((0.0,) if len(json.loads(k)) == 3 else ()): v for k, v in rank.items()}
+                    for rank in json.load(f)]  # a run from before --chunks: whole buckets
     else:
         per_rank = run_ranks(sweep, 2, args=(args, directories), timeout=1800)
         with open(measured_path, "w") as f:
@@ -196,26 +200,29 @@ def main():
         cal = predict.calibrate(recording)
         for bw in args.bandwidths:
             link = f"{bw}Gbps,{args.latency}"
-            measured_by_cap = {}
-            for cap in args.caps:
-                runs = [per_rank[r][(m, bw, cap)] for r in range(len(per_rank))]
-                steps = [statistics.fmean(s) for rnd in zip(*runs) for s in zip(*rnd)]  # ranks' mean per step
-                measured = statistics.median(steps)
-                # noise floor: how far one round's median lies from the median of every round
-                rounds = [statistics.median(statistics.fmean(s) for s in zip(*rnd)) for rnd in zip(*runs)]
-                noise = statistics.fmean(abs(x - measured) / measured for x in rounds)
-                settings = predict.settings_for(recording, link=link, bucket_cap_mb=cap, chunk_mb=0)
-                predicted = predict.predict(recording, settings, cal).step_ms
-                measured_by_cap[cap] = measured
-                rows.append({"model": m, "bandwidth_gbps": bw, "cap_mb": cap, "measured_ms": measured,
-                             "predicted_ms": predicted, "error": (predicted - measured) / measured,
-                             "round_noise": noise})
-            rec = predict.recommend(recording, predict.settings_for(recording, link=link, chunk_mb=0), args.caps, cal)
-            best = min(measured_by_cap, key=measured_by_cap.get)
-            recommended.append({"model": m, "bandwidth_gbps": bw, "recommended_cap_mb": rec["cap_mb"],
-                                "best_cap_mb": best, "recommended_measured_ms": measured_by_cap[rec["cap_mb"]],
-                                "best_measured_ms": measured_by_cap[best],
-                                "within": measured_by_cap[rec["cap_mb"]] / measured_by_cap[best] - 1})
+            for chunk in args.chunks:
+                measured_by_cap = {}
+                for cap in args.caps:
+                    runs = [per_rank[r][(m, bw, cap, chunk)] for r in range(len(per_rank))]
+                    steps = [statistics.fmean(s) for rnd in zip(*runs) for s in zip(*rnd)]  # ranks' mean per step
+                    measured = statistics.median(steps)
+                    # noise floor: how far one round's median lies from the median of every round
+                    rounds = [statistics.median(statistics.fmean(s) for s in zip(*rnd)) for rnd in zip(*runs)]
+                    noise = statistics.fmean(abs(x - measured) / measured for x in rounds)
+                    settings = predict.settings_for(recording, link=link, bucket_cap_mb=cap, chunk_mb=chunk)
+                    predicted = predict.predict(recording, settings, cal).step_ms
+                    measured_by_cap[cap] = measured
+                    rows.append({"model": m, "bandwidth_gbps": bw, "cap_mb": cap, "chunk_mb": chunk,
+                                 "measured_ms": measured, "predicted_ms": predicted,
+                                 "error": (predicted - measured) / measured, "round_noise": noise})
+                rec = predict.recommend(recording, predict.settings_for(recording, link=link, chunk_mb=chunk),
+                                        args.caps, cal)
+                best = min(measured_by_cap, key=measured_by_cap.get)
+                recommended.append({"model": m, "bandwidth_gbps": bw, "chunk_mb": chunk,
+                                    "recommended_cap_mb": rec["cap_mb"], "best_cap_mb": best,
+                                    "recommended_measured_ms": measured_by_cap[rec["cap_mb"]],
+                                    "best_measured_ms": measured_by_cap[best],
+                                    "within": measured_by_cap[rec["cap_mb"]] / measured_by_cap[best] - 1})
         print(f"{m}: recorded at {args.record[0]:g} Gb/s, cap {args.record[1]:g} MB: step "
               f"{predict.recorded_step_ms(recording):.2f} ms; calibration {json.dumps(cal.describe())}",
               file=sys.stderr)
@@ -227,18 +234,18 @@ def main():
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(f"2 ranks, simulated link latency {args.latency}, whole buckets; the trace's step (end of forward to "
+    print(f"2 ranks, simulated link latency {args.latency}; the trace's step (end of forward to "
           f"grads written back), measured: median over {args.rounds} rounds x {args.steps} steps; predicted from "
           f"one run per model recorded at {args.record[0]:g} Gb/s, cap {args.record[1]:g} MB")
-    print(f"{'model':<6} {'Gb/s':>6} {'cap MB':>7} {'measured ms':>11} {'predicted ms':>12} {'error':>7} "
-          f"{'round noise':>11}")
+    print(f"{'model':<6} {'Gb/s':>6} {'cap MB':>7} {'chunk MB':>8} {'measured ms':>11} {'predicted ms':>12} "
+          f"{'error':>7} {'round noise':>11}")
     for r in rows:
-        print(f"{r['model']:<6} {r['bandwidth_gbps']:>6g} {r['cap_mb']:>7g} {r['measured_ms']:>11.2f} "
+        print(f"{r['model']:<6} {r['bandwidth_gbps']:>6g} {r['cap_mb']:>7g} {r['chunk_mb']:>8g} {r['measured_ms']:>11.2f} "
               f"{r['predicted_ms']:>12.2f} {100 * r['error']:>+6.1f}% {100 * r['round_noise']:>10.1f}%")
     print(f"mean absolute error {100 * mae:.1f}% over {len(rows)} cells (target <= 8%); one round's median "
           f"lies {100 * noise:.1f}% from the all-round median on average (the measurement's own noise)")
     for r in recommended:
-        print(f"{r['model']:<6} {r['bandwidth_gbps']:>6g} Gb/s: recommended cap {r['recommended_cap_mb']:g} MB "
+        print(f"{r['model']:<6} {r['bandwidth_gbps']:>6g} Gb/s, chunks {r['chunk_mb']:g} MB: recommended cap {r['recommended_cap_mb']:g} MB "
               f"measures {r['recommended_measured_ms']:.2f} ms, best measured {r['best_cap_mb']:g} MB "
               f"{r['best_measured_ms']:.2f} ms ({100 * r['within']:+.1f}%; target within 5%)")
     print(f"({result['seconds']:.0f} s)")
