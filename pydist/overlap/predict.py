@@ -314,9 +314,9 @@ def calibrate(recording: Recording) -> Calibration:
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
     inner_per_byte = (max(0.0, statistics.median((t - delay) / b for t, b in inner)) if inner else 0.0)
-    wb_bytes = sum(b for v in recording.steps.values() for r in v for b, _ in r.write_back)
-    wb_ms = sum(t for v in recording.steps.values() for r in v for _, t in r.write_back)
-    return Calibration(slowdown, inner_per_byte, delay, wb_ms / wb_bytes if wb_bytes else 0.0)
+    # the median, not the ratio of sums: a write-back the scheduler interrupted is an outlier, not a cost
+    write_back = [t / b for v in recording.steps.values() for r in v for b, t in r.write_back if b > 0]
+    return Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0)
 
 
 def _link_ms(nbytes: int, world_size: int, link: network.Link) -> float:
