@@ -81,7 +81,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("launch_ns", &pydist::BucketRecord::launch_ns)
       .def_readonly("complete_ns", &pydist::BucketRecord::complete_ns)
       .def_readonly("done_ns", &pydist::BucketRecord::done_ns)
-      .def_readonly("chunks", &pydist::BucketRecord::chunks);
+      .def_readonly("chunks", &pydist::BucketRecord::chunks)
+      .def_readonly("param_indices", &pydist::BucketRecord::param_indices)
+      .def_readonly("grad_ns", &pydist::BucketRecord::grad_ns);
   py::class_<pydist::IterationRecord>(m, "IterationRecord", "What the reducer measured in one iteration")
       .def_readonly("iteration", &pydist::IterationRecord::iteration)
       .def_readonly("rank", &pydist::IterationRecord::rank)

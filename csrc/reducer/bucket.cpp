@@ -46,6 +46,8 @@ Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int
   bucket.record.index = index;
   bucket.record.num_params = static_cast<int64_t>(bucket.num_slots());
   bucket.record.bytes = static_cast<int64_t>(bucket.buffer.nbytes());
+  bucket.record.param_indices = bucket.param_indices;
+  bucket.record.grad_ns.assign(bucket.num_slots(), -1);
   split_into_chunks(bucket, chunk_bytes);
   return bucket;
 }
@@ -83,6 +85,7 @@ void reset_for_iteration(Bucket& bucket) {
   BucketRecord& record = bucket.record;
   record.first_grad_ns = record.last_grad_ns = record.launch_ns = record.complete_ns = record.done_ns = -1;
   for (ChunkRecord& chunk : record.chunks) chunk.launch_ns = chunk.complete_ns = -1;
+  std::fill(record.grad_ns.begin(), record.grad_ns.end(), -1);
 }
 
 // --- a sharded unit's gradients ------------------------------------------------

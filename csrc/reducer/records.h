@@ -59,6 +59,11 @@ struct BucketRecord {
   int64_t complete_ns = -1;
   int64_t done_ns = -1;        // finalize_backward had waited for it and written its grads back
   std::vector<ChunkRecord> chunks;
+  // Per parameter, in buffer order: which one (its index among the
+  // reducer's parameters) and when its gradient became ready (-1: not this
+  // iteration). What the overlap lab's predictor re-buckets at another cap.
+  std::vector<int64_t> param_indices;
+  std::vector<int64_t> grad_ns;
 };
 
 // One reduced iteration.

@@ -290,6 +290,7 @@ void Reducer::mark_param_ready(int64_t index) {
     int64_t t = now_ns();
     if (bucket.record.first_grad_ns < 0) bucket.record.first_grad_ns = t;
     bucket.record.last_grad_ns = t;
+    bucket.record.grad_ns[where.slot] = t;
   }
   if (--bucket.chunks[bucket.chunk_of_slot[where.slot]].pending == 0) launch_ready_chunks();
   if (next_bucket_ == buckets_.size()) {

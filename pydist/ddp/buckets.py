@@ -33,6 +33,16 @@ DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_CAP_MB = 1
 
 
+def bucket_caps(bucket_cap_mb: float | None, first_bucket_cap_mb: float | None = None) -> tuple[int, int]:
+    """(first bucket's cap, every later bucket's cap) in bytes, from the
+    wrapper's keywords. Torch's rule: a 1 MB first bucket only when the cap
+    is left at its default; else the first bucket takes the cap too."""
+    cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+    if first_bucket_cap_mb is None:
+        first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else cap_mb
+    return int(first_bucket_cap_mb * MB), int(cap_mb * MB)
+
+
 def assign_by_size(
     params: Sequence[torch.Tensor], order: Sequence[int], caps: Sequence[int]
 ) -> list[list[int]]:

@@ -190,13 +190,7 @@ class DistributedDataParallel(_TorchDDP):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
-        # Bucket sizes in bytes (torch's rule: a 1 MB first bucket only
-        # when the cap is left at its default).
-        cap_mb = bucketing.DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        if first_bucket_cap_mb is None:
-            first_bucket_cap_mb = bucketing.DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else cap_mb
-        self.bucket_bytes_cap = int(cap_mb * bucketing.MB)
-        self.first_bucket_bytes_cap = int(first_bucket_cap_mb * bucketing.MB)
+        self.first_bucket_bytes_cap, self.bucket_bytes_cap = bucketing.bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
         # What the reducer is built from, kept so that _set_static_graph and
         # unpickling can build it again.
         self._record_timing = record_timing

@@ -71,6 +71,11 @@ class BucketTiming:
     unit: str = ""           # the units it carries, "+"-joined ("" for the root unit)
     phase: str = ""          # "forward", "backward", "forward_prefetch", ...
     needed_ms: float = -1.0  # the compute thread began waiting for it (-1: finalize's order decides, DDP)
+    # DDP: per parameter, in buffer order, which one (its index among the
+    # wrapper's parameters) and when its gradient became ready (-1e-6: not
+    # this iteration); the overlap lab's predictor re-buckets from these.
+    param_indices: tuple[int, ...] = ()
+    grad_ms: tuple[float, ...] = ()
 
     def hidden_ms(self, backward_end_ms: float) -> float:
         """How long its communication ran while autograd was still computing."""
@@ -109,6 +114,7 @@ class IterationRecord:
                     b.index, b.num_params, b.bytes, _ms(b.first_grad_ns), _ms(b.last_grad_ns), _ms(b.launch_ns),
                     _ms(b.complete_ns), _ms(b.done_ns),
                     tuple(ChunkTiming(c.offset, c.bytes, c.collective, _ms(c.launch_ns), _ms(c.complete_ns)) for c in b.chunks),
+                    param_indices=tuple(b.param_indices), grad_ms=tuple(_ms(t) for t in b.grad_ns),
                 )
                 for b in record.buckets
             ],

@@ -13,7 +13,8 @@ From the environment, any unchanged script (torchrun, mpiexec, spawn):
     PYDIST_SIM_NET=10Gbps,20us   gradients over a simulated link (network.py)
     PYDIST_RECORD_PLAN=FILE / PYDIST_REPLAY=FILE   bucket plans (plans.py)
 
-and ``python -m pydist.overlap merge|report`` over the traces (__main__.py).
+and ``python -m pydist.overlap merge|report|predict`` over the traces (__main__.py;
+predict.py: the step at another link or bucket cap, from one recorded run).
 """
 
 from pydist.overlap.analysis import BucketOverlap, StepOverlap, analyze_step

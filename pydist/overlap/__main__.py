@@ -4,6 +4,8 @@
     python -m pydist.overlap merge a.json b.json -o merged.json
     python -m pydist.overlap report TRACE.json [--plot OUT.png] [--step N] [--rank R]
     python -m pydist.overlap report DIR [--json]                  every DIR/rank*.json, merged in memory
+    python -m pydist.overlap predict DIR [--link BW,LAT] [--bucket-cap-mb C] [--chunk-mb K]
+                                     [--recommend C1,C2,...] [--json]   the step at other settings (predict.py)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import re
 import sys
 
-from pydist.overlap import report, trace
+from pydist.overlap import predict, report, trace
 
 
 def _rank_files(inputs: list[str]) -> list[str]:
@@ -45,7 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--plot", metavar="OUT.png", help="draw one step's timeline (needs matplotlib)")
     rep.add_argument("--step", type=int, help="the step to draw (default: the worst by exposed time)")
     rep.add_argument("--rank", type=int, help="the rank to draw (default: the first in the trace)")
+    pre = commands.add_parser("predict", help="predict the step under another link, bucket cap or chunk size")
+    pre.add_argument("trace", help="a PYDIST_TRACE directory (every rank's file) or a merged trace")
+    pre.add_argument("--link", metavar="BW,LAT", help="a simulated link, PYDIST_SIM_NET's syntax (default: the recorded one)")
+    pre.add_argument("--bucket-cap-mb", type=float, metavar="C", help="default: the recorded cap")
+    pre.add_argument("--first-bucket-cap-mb", type=float, metavar="C", help="default: the bucket cap (the wrapper's rule)")
+    pre.add_argument("--chunk-mb", type=float, metavar="K", help="allreduce_chunk_mb, 0: whole buckets (default: the recorded one)")
+    pre.add_argument("--recommend", metavar="C1,C2,...", help="also name the cap among these with the shortest step")
+    pre.add_argument("--wrapper", type=int, help="which DDP wrapper of the trace (default: the first)")
+    pre.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.command == "predict":
+        return _predict(args)
 
     # A file that cannot be read, or is not a trace, is named with what is
     # wrong, on stderr, and exits 2: no traceback (load_trace and the
@@ -91,6 +104,59 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pydist.overlap report: {exc}", file=sys.stderr)
             return 2
         print(f"drew rank {chosen.rank}, step {chosen.step} into {args.plot}")
+    return 0
+
+
+def _load(path: str) -> dict:
+    """A trace file, or a PYDIST_TRACE directory merged in memory; ValueError naming what is wrong."""
+    if os.path.isdir(path):
+        try:
+            return trace.merge_traces(_rank_files([path]))
+        except SystemExit as exc:  # no rank files there
+            raise ValueError(str(exc).replace("pydist.overlap merge: ", "")) from None
+    return trace.load_trace(path)
+
+
+def _predict(args) -> int:
+    # Errors as report's: named on stderr, exit 2, no traceback.
+    try:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(args, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (MB), got {value:g}")
+        if args.chunk_mb is not None and not args.chunk_mb >= 0:
+            raise ValueError(f"--chunk-mb must be >= 0 (MB; 0: whole buckets), got {args.chunk_mb:g}")
+        caps = None
+        if args.recommend is not None:
+            try:
+                caps = [float(c) for c in args.recommend.split(",")]
+            except ValueError:
+                raise ValueError(f"--recommend {args.recommend!r}: expected caps in MB separated by commas, "
+                                 "e.g. 0.25,1,4,25") from None
+            if not caps or any(not c > 0 for c in caps):
+                raise ValueError(f"--recommend {args.recommend!r}: every cap must be > 0 (MB)")
+        if args.link is not None:
+            try:
+                predict.network.parse_link(args.link)
+            except ValueError as exc:
+                raise ValueError(f"--link: {exc}") from None
+        document = _load(args.trace)
+        result = predict.predict_json(document, link=args.link, bucket_cap_mb=args.bucket_cap_mb,
+                                      first_bucket_cap_mb=args.first_bucket_cap_mb, chunk_mb=args.chunk_mb,
+                                      recommend_caps=caps, wrapper=args.wrapper)
+    except ValueError as exc:
+        text = str(exc)
+        where = "" if text.startswith(f"{args.trace}:") or text.startswith("--") else f"{args.trace}: "
+        print(f"pydist.overlap predict: {where}{text}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError) as exc:
+        print(f"pydist.overlap predict: {args.trace}: not a trace the predictor can read "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pydist.overlap predict: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(json.dumps(result, indent=1) + "\n" if args.json else predict.predict_text(result))
     return 0
 
 

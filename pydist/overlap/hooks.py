@@ -148,6 +148,7 @@ class TraceSession:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.logs: dict[int, recording.StepLog] = {}
         self.pipelines: list = []  # pipeline schedules whose StageRecords go into the trace
+        self.wrappers: dict[int, dict] = {}  # DDP wrapper number -> trace.wrapper_info, for the predictor
         atexit.register(self.write)
         self._wrap_destroy_process_group()
         self._wrap_excepthook()
@@ -159,6 +160,8 @@ class TraceSession:
     def add(self, ddp, number: int) -> None:
         recording.record(ddp, keep=recording.DEFAULT_KEEP)
         self.logs[number] = recording._log_of(ddp)
+        # taken now: the trace may be written after the wrapper is gone
+        self.wrappers[number] = trace_module.wrapper_info(ddp)
 
     def add_sharded(self, state) -> None:
         log = PublishedLog()
@@ -175,7 +178,7 @@ class TraceSession:
             log.drain()
         stage_records = [r for s in self.pipelines for r in s.records()]
         document = trace_module.trace_document({n: list(log.records) for n, log in self.logs.items()}, self.rank,
-                                               stage_records=stage_records)
+                                               stage_records=stage_records, wrappers=self.wrappers)
         try:
             trace_module.write_trace(self.path, document)
         except OSError as exc:

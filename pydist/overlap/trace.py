@@ -105,7 +105,7 @@ def step_events(record, rank: int, wrapper: int = 0) -> list[dict]:
                                      "launch_ms": b.launch_ms, "complete_ms": b.complete_ms, "done_ms": b.done_ms,
                                      "exposed_ms": o.exposed_ms, "hidden_ms": o.hidden_ms,
                                      "write_back_ms": o.write_back_ms, "chunks": len(getattr(b, "chunks", ()) or ()),
-                                     **_sharded_args(b),
+                                     **_sharded_args(b), **_predictor_args(b),
                                  }))
         if o.exposed_ms > 0:
             events.append(_slice(f"wait bucket {b.index}", "exposed", rank, tid(TRACK_EXPOSED), us(o.wait_start_ms),
@@ -137,6 +137,34 @@ def _sharded_args(b) -> dict:
         return {}
     return {"unit": b.unit, "phase": b.phase, "collective": b.chunks[0].collective if b.chunks else "",
             "needed_ms": b.needed_ms}
+
+
+def _predictor_args(b) -> dict:
+    """What the predictor (predict.py) replays a DDP bucket from: each
+    parameter's gradient-ready time and each chunk's launch and completion."""
+    if getattr(b, "phase", "") or not getattr(b, "param_indices", ()):
+        return {}
+    return {"param_indices": list(b.param_indices), "grad_ms": list(b.grad_ms),
+            "chunk_times": [[c.offset, c.bytes, c.launch_ms, c.complete_ms] for c in b.chunks]}
+
+
+def wrapper_info(ddp) -> dict:
+    """A DDP wrapper's parameters (name, shape, dtype, as a plan lists them),
+    bucket caps, chunk size, world size and simulated link: what the
+    predictor needs to re-bucket and replay a trace (otherData.wrappers)."""
+    from pydist.overlap import network
+
+    spec = getattr(ddp, "_sim_net", None)
+    link = network.parse_link(spec) if spec else network.link_from_env()
+    return {
+        "params": [[n, list(p.shape), str(p.dtype).replace("torch.", ""), str(p.device)]
+                   for n, p in zip(ddp._param_names, ddp._params)],
+        "bucket_cap_bytes": ddp.bucket_bytes_cap,
+        "first_bucket_cap_bytes": ddp.first_bucket_bytes_cap,
+        "chunk_bytes": ddp._chunk_bytes,
+        "world_size": ddp.reducer.transport.world_size,
+        "link": None if link is None else [link.bandwidth_bps, link.latency_s],
+    }
 
 
 def _metadata(rank: int, wrappers: Iterable[int], buckets: dict[int, dict[int, str]]) -> list[dict]:
@@ -177,9 +205,10 @@ def stage_events(records, rank: int) -> list[dict]:
     return events
 
 
-def trace_document(logs: dict[int, list], rank: int, stage_records=()) -> dict:
+def trace_document(logs: dict[int, list], rank: int, stage_records=(), wrappers: dict | None = None) -> dict:
     """A Chrome trace of one rank: ``logs`` maps a wrapper number to its
-    IterationRecords; ``stage_records`` are pipeline StageRecords."""
+    IterationRecords; ``stage_records`` are pipeline StageRecords;
+    ``wrappers`` maps a DDP wrapper's number to its ``wrapper_info``."""
     events: list[dict] = stage_events(stage_records, rank) if stage_records else []
     buckets: dict[int, dict[int, str]] = {}
     transports = set()
@@ -199,6 +228,7 @@ def trace_document(logs: dict[int, list], rank: int, stage_records=()) -> dict:
             "transport": ", ".join(sorted(t for t in transports if t)),
             # read together: merge maps this rank's steady clock onto the wall clock
             "clock_sync": {"monotonic_ns": time.monotonic_ns(), "realtime_ns": time.time_ns()},
+            "wrappers": {str(w): info for w, info in (wrappers or {}).items()},
         },
     }
 
@@ -296,5 +326,8 @@ def merge_traces(paths: list[str]) -> dict:
         "traceEvents": merged,
         "displayTimeUnit": "ms",
         "otherData": {"format": FORMAT, "merged_ranks": ranks, "clock": "realtime, earliest event at 0",
-                      "origin_realtime_us": origin, "sources": [os.path.abspath(p) for p in paths]},
+                      "origin_realtime_us": origin, "sources": [os.path.abspath(p) for p in paths],
+                      # the wrappers' parameters and settings (the same on every rank): see wrapper_info
+                      "wrappers": next((d["otherData"]["wrappers"] for d in documents
+                                        if d.get("otherData", {}).get("wrappers")), {})},
     }

@@ -1,0 +1,495 @@
+"""What-if: a DDP step under another simulated link, bucket cap or chunk
+size, predicted from one recorded run.
+
+    PYDIST_TRACE=traces PYDIST_SIM_NET=10Gbps,20us torchrun --nproc_per_node=2 train.py
+    python -m pydist.overlap predict traces --link 1Gbps,20us --bucket-cap-mb 4 --json
+    python -m pydist.overlap predict traces --link 1Gbps,20us --recommend 0.25,1,4,25
+
+[Note: the what-if predictor]
+A trace holds, per step and rank, when each parameter's gradient became
+ready, when each chunk was launched and completed, when autograd ended and
+when each bucket was written back. The predictor replays every recorded
+step under the new settings and takes the median:
+
+1. Buckets. The new cap re-buckets the parameters with the reducer's own
+   function (``pydist.ddp.buckets.rebuilt_buckets``, the order being the one
+   gradients became ready in on rank 0, as the reducer rebuilds from), and
+   each bucket is cut into chunks as the reducer cuts it (``chunk_slots``,
+   the rule of ``split_into_chunks`` in csrc/reducer/bucket.cpp). A chunk
+   launches in the hook of its last gradient, once every chunk before it
+   (in bucket order) has launched.
+2. Compute. The gaps between consecutive gradients are the backward's
+   compute, slowed by the launches the recording made in them: a launch
+   copies the gradients into the bucket on the compute thread, and the
+   transport then reduces them on cores the backward shares. The slowdown
+   is taken as ``slowdown`` ms per launched byte, measured from the
+   recording: gaps of parameters of the same kind (name pattern and shape,
+   and the same for the gradient before) are compared with and without a
+   launch in them (a least-squares fit within each kind). The gaps are
+   freed of the recorded launches and charged with the new ones.
+3. Link. As the simulated link models it ([Note: simulated network] in
+   csrc/transport/sim_net_transport.cpp, ``network.model_seconds``): one
+   transfer at a time per rank, in launch order, each taking the
+   alpha-beta time of a ring all-reduce; a chunk completes at the later of
+   its modelled end and when the transport behind the link (shared memory)
+   finished it, which needs every rank's launch and ``inner`` ms per byte
+   (measured from recorded chunks that completed after their modelled
+   end), plus ``completion_delay`` (the timer thread waking late: the
+   median lateness of recorded chunks against the recorded link's model).
+4. Finalize. After autograd, buckets are waited for in order and written
+   back at ``write_back`` ms per byte (measured): the step ends when the
+   last is written back ([Note: exposed communication] in analysis.py).
+
+``step_ms`` is what the trace calls a step: from the end of forward (the
+reducer armed) to the gradients written back, the median over steps of the
+ranks' mean. Forward and the optimizer are not in the records and do not
+depend on the link or the cap.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from typing import NamedTuple, Sequence
+
+from pydist.overlap import network
+
+__all__ = ["Settings", "Calibration", "Prediction", "BucketPrediction", "Recording", "load_recording", "chunk_slots",
+           "rebucket", "calibrate", "settings_for", "predict", "recommend", "recorded_step_ms", "predict_json",
+           "predict_text"]
+
+MB = 1024 * 1024
+# Lateness (ms) beyond which a recorded chunk counts as finished by the
+# transport behind the link rather than by the link's model.
+_INNER_BOUND_MS = 0.3
+# Chunks below this size tell the transport's cost per byte apart from its
+# fixed costs (a thread waking up) too poorly to measure it from.
+_INNER_MIN_BYTES = 256 * 1024
+
+
+class Settings(NamedTuple):
+    """A configuration to predict: link, caps and chunk size, in bytes."""
+
+    link: network.Link
+    first_cap_bytes: int
+    cap_bytes: int
+    chunk_bytes: int
+
+    def describe(self) -> dict:
+        # caps are whole bytes (int(mb * MB), as the wrapper takes them): 4 decimals give the MB asked for back
+        return {"link": str(self.link), "bucket_cap_mb": round(self.cap_bytes / MB, 4),
+                "first_bucket_cap_mb": round(self.first_cap_bytes / MB, 4), "chunk_mb": round(self.chunk_bytes / MB, 4)}
+
+
+class Calibration(NamedTuple):
+    """What the recording says about this machine (see [Note: the what-if predictor])."""
+
+    slowdown_ms_per_byte: float    # compute time a launch during backward costs, per byte launched
+    inner_ms_per_byte: float       # the transport behind the link, per byte all-reduced
+    completion_delay_ms: float     # a held completion's lateness
+    write_back_ms_per_byte: float  # finalize writing a bucket back
+
+    def describe(self) -> dict:
+        return {"slowdown_ms_per_mb": self.slowdown_ms_per_byte * MB, "inner_ms_per_mb": self.inner_ms_per_byte * MB,
+                "completion_delay_ms": self.completion_delay_ms,
+                "write_back_ms_per_mb": self.write_back_ms_per_byte * MB}
+
+
+class _Chunk(NamedTuple):
+    bucket: int
+    bytes: int
+    launch_ms: float
+    complete_ms: float
+
+
+class _RankStep(NamedTuple):
+    """One rank's record of one step, times in ms from its own start."""
+
+    rank: int
+    step: int
+    start_ms: float              # on the merged clock: aligns ranks
+    grad_ms: dict[int, float]    # parameter index -> ready
+    backward_end_ms: float
+    finalize_end_ms: float
+    chunks: list[_Chunk]         # in launch order
+    write_back: list[tuple[int, float]]  # per bucket: bytes, ms written back
+    layout: tuple[tuple[int, ...], ...]  # the buckets' parameter indices
+
+
+class Recording(NamedTuple):
+    params: list[tuple[str, tuple[int, ...], str, str]]  # name, shape, dtype, device
+    settings: Settings
+    world_size: int
+    ready_order: list[int]       # parameter indices, as gradients became ready on rank 0
+    steps: dict[int, list[_RankStep]]  # step -> every rank's record of it
+
+    def param_bytes(self, index: int) -> int:
+        _, shape, dtype, _ = self.params[index]
+        return math.prod(shape) * _itemsize(dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+# --- reading a recording --------------------------------------------------------
+
+
+def load_recording(document: dict, wrapper: int | None = None) -> Recording:
+    """The steps of DDP wrapper ``wrapper`` (None: the first the trace
+    holds) in a merged trace (every rank). Raises ``ValueError`` naming what
+    the trace lacks."""
+    from pydist.overlap.report import steps_from_trace
+
+    infos = document.get("otherData", {}).get("wrappers", {})
+    if wrapper is None:
+        numbers = sorted(int(w) for w in infos if str(w).isdigit()) if isinstance(infos, dict) else []
+        if not numbers:
+            raise ValueError("no DDP wrapper's settings in otherData.wrappers (a trace from before the predictor, "
+                             "or of no DDP wrapper); record it again with PYDIST_TRACE")
+        wrapper = numbers[0]
+    info = infos.get(str(wrapper)) if isinstance(infos, dict) else None
+    if not isinstance(info, dict):
+        raise ValueError(f"no settings of DDP wrapper {wrapper} in otherData.wrappers (a trace from before the "
+                         "predictor, or not a DDP wrapper's); record it again with PYDIST_TRACE")
+    try:
+        params = [(str(n), tuple(int(d) for d in shape), str(dtype), str(device))
+                  for n, shape, dtype, device in info["params"]]
+        link = info["link"]
+        settings = Settings(network.Link(float(link[0]), float(link[1])) if link else network.Link(math.inf, 0.0),
+                            int(info["first_bucket_cap_bytes"]), int(info["bucket_cap_bytes"]), int(info["chunk_bytes"]))
+        world_size = int(info["world_size"])
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"otherData.wrappers[{wrapper!r}] is damaged ({type(exc).__name__}: {exc})") from None
+    by_step: dict[int, list[_RankStep]] = {}
+    for s in steps_from_trace(document):
+        if s.wrapper != wrapper or not s.buckets:
+            continue
+        if any("grad_ms" not in b for b in s.buckets.values()):
+            raise ValueError(f"rank {s.rank} step {s.step}: its buckets carry no per-parameter gradient times "
+                             "(grad_ms); record it again with this pydist")
+        try:
+            by_step.setdefault(s.step, []).append(_rank_step(s))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"rank {s.rank} step {s.step}: a bucket's grad_ms, param_indices or chunk_times "
+                             f"is damaged ({type(exc).__name__}: {exc})") from None
+    complete = {k: v for k, v in by_step.items() if len(v) == world_size}
+    if not complete:
+        raise ValueError(f"no step of DDP wrapper {wrapper} recorded by all {world_size} ranks (pass the "
+                         "PYDIST_TRACE directory with every rank's file)")
+    # Steps with the final layout (the first iteration runs with the initial
+    # buckets, before they are rebuilt from the gradient order), after a warm-up one.
+    last = complete[max(complete)]
+    layout = last[0].layout
+    usable = sorted(k for k, v in complete.items() if all(r.layout == layout for r in v))
+    if len(usable) > 2:
+        usable = usable[1:]
+    first = min(complete[usable[0]], key=lambda r: r.rank)
+    order = sorted(first.grad_ms, key=lambda p: first.grad_ms[p])
+    order += [p for p in range(len(params)) if p not in first.grad_ms]
+    return Recording(params, settings, world_size, order, {k: complete[k] for k in usable})
+
+
+def _rank_step(s) -> _RankStep:
+    grads: dict[int, float] = {}
+    chunks: list[_Chunk] = []
+    write_back = []
+    layout = []
+    for index, b in s.buckets.items():
+        layout.append(tuple(int(p) for p in b["param_indices"]))
+        for p, t in zip(b["param_indices"], b["grad_ms"]):
+            if t >= 0:
+                grads[int(p)] = float(t)
+        for _offset, nbytes, launch, complete in b["chunk_times"]:
+            chunks.append(_Chunk(index, int(nbytes), float(launch), float(complete)))
+        write_back.append((int(b["bytes"]), float(b["write_back_ms"])))
+    chunks.sort(key=lambda c: c.launch_ms)
+    a = s.args
+    return _RankStep(s.rank, s.step, s.start_us / 1e3, grads, float(a["backward_end_ms"]), float(a["finalize_end_ms"]),
+                     chunks, write_back, tuple(layout))
+
+
+# --- the reducer's layout at other settings ---------------------------------------
+
+
+def rebucket(recording: Recording, first_cap_bytes: int, cap_bytes: int) -> list[list[int]]:
+    """The buckets the reducer builds at these caps, from the recorded
+    gradient order: its own assignment function, on meta tensors."""
+    import torch
+
+    from pydist.ddp.buckets import rebuilt_buckets
+
+    metas = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for _, shape, dtype, _ in recording.params]
+    return rebuilt_buckets(metas, recording.ready_order, first_cap_bytes, cap_bytes)
+
+
+def chunk_slots(param_bytes: Sequence[int], chunk_bytes: int) -> list[range]:
+    """A bucket's chunks as ranges of its slots: a chunk closes once it
+    holds ``chunk_bytes`` or more, or at the bucket's end (0: one chunk).
+    The rule of ``split_into_chunks`` in csrc/reducer/bucket.cpp, which the
+    tests hold this to through the reducer's records."""
+    out, first, held = [], 0, 0
+    for slot, nbytes in enumerate(param_bytes):
+        held += nbytes
+        if slot + 1 == len(param_bytes) or (chunk_bytes > 0 and held >= chunk_bytes):
+            out.append(range(first, slot + 1))
+            first, held = slot + 1, 0
+    return out
+
+
+# --- calibration ------------------------------------------------------------------
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\d+", "#", name)
+
+
+def _gaps(r: _RankStep, order: list[int]) -> tuple[list[float], list[int]]:
+    """Per position in ``order`` (and one more, the tail to the end of
+    autograd): the compute gap before it and the bytes launched in it."""
+    times = [r.grad_ms[p] for p in order] + [r.backward_end_ms]
+    gaps = [times[0]] + [b - a for a, b in zip(times, times[1:])]
+    launched = [0] * len(times)
+    for c in r.chunks:
+        if c.launch_ms > r.backward_end_ms:
+            continue
+        # the first gradient stamped after the launch: the launch ran in its gap
+        pos = next((i for i, t in enumerate(times) if t >= c.launch_ms), len(times) - 1)
+        launched[pos] += c.bytes
+    return gaps, launched
+
+
+def calibrate(recording: Recording) -> Calibration:
+    """See [Note: the what-if predictor]: slowdown, inner cost, completion
+    delay and write-back, from the recorded steps."""
+    order = [p for p in recording.ready_order if all(p in r.grad_ms for v in recording.steps.values() for r in v)]
+    # Compute slowdown: per position, the median gap and launched bytes over steps and ranks.
+    per_pos_gap = [[] for _ in range(len(order) + 1)]
+    per_pos_x = [[] for _ in range(len(order) + 1)]
+    for ranks in recording.steps.values():
+        for r in ranks:
+            gaps, launched = _gaps(r, order)
+            for i, (g, x) in enumerate(zip(gaps, launched)):
+                per_pos_gap[i].append(g)
+                per_pos_x[i].append(x)
+    y = [statistics.median(v) for v in per_pos_gap]
+    x = [statistics.median(v) for v in per_pos_x]
+    kinds: dict[tuple, list[int]] = {}
+    for i in range(1, len(order)):
+        here, before = recording.params[order[i]], recording.params[order[i - 1]]
+        kinds.setdefault((_pattern(here[0]), here[1], _pattern(before[0]), before[1]), []).append(i)
+    sxy = sxx = 0.0
+    for members in kinds.values():
+        if len(members) < 2:
+            continue
+        mx = statistics.fmean(x[i] for i in members)
+        my = statistics.fmean(y[i] for i in members)
+        sxy += sum((x[i] - mx) * (y[i] - my) for i in members)
+        sxx += sum((x[i] - mx) ** 2 for i in members)
+    slowdown = max(0.0, sxy / sxx) if sxx > 0 else 0.0
+
+    # The link: replay the recorded chunks against the recorded link's model.
+    link, n = recording.settings.link, recording.world_size
+    lateness, inner = [], []
+    for ranks in recording.steps.values():
+        launches: dict[int, list[float]] = {}
+        for r in ranks:
+            for k, c in enumerate(r.chunks):
+                launches.setdefault(k, []).append(r.start_ms + c.launch_ms)
+        for r in ranks:
+            free, previous = -math.inf, -math.inf
+            for k, c in enumerate(r.chunks):
+                due = max(c.launch_ms, free) + _link_ms(c.bytes, n, link)
+                free = due
+                late = c.complete_ms - due
+                lateness.append(late)
+                if late > _INNER_BOUND_MS and c.bytes >= _INNER_MIN_BYTES:
+                    # the transport starts it once every rank launched it and it finished the one before
+                    start = max(max(launches[k]) - r.start_ms, previous)
+                    inner.append((c.complete_ms - start, c.bytes))
+                previous = c.complete_ms
+    early = [v for v in lateness if v <= _INNER_BOUND_MS]
+    delay = max(0.0, statistics.median(early)) if early else 0.0
+    inner_per_byte = (max(0.0, statistics.median((t - delay) / b for t, b in inner)) if inner else 0.0)
+    # the median, not the ratio of sums: a write-back the scheduler interrupted is an outlier, not a cost
+    write_back = [t / b for v in recording.steps.values() for r in v for b, t in r.write_back if b > 0]
+    return Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0)
+
+
+def _link_ms(nbytes: int, world_size: int, link: network.Link) -> float:
+    if math.isinf(link.bandwidth_bps):
+        return 0.0
+    return network.model_seconds("all_reduce", nbytes, world_size, link) * 1e3
+
+
+# --- the replay -----------------------------------------------------------------
+
+
+class BucketPrediction(NamedTuple):
+    bucket: int
+    params: int
+    bytes: int
+    chunks: int
+    exposed_ms: float
+
+
+class Prediction(NamedTuple):
+    settings: Settings
+    step_ms: float
+    backward_ms: float
+    exposed_ms: float
+    buckets: list[BucketPrediction]
+
+    def as_json(self) -> dict:
+        return {"step_ms": self.step_ms, "backward_ms": self.backward_ms, "exposed_ms": self.exposed_ms,
+                **self.settings.describe(),
+                "buckets": [{"bucket": b.bucket, "params": b.params, "bytes": b.bytes, "chunks": b.chunks,
+                             "exposed_ms": b.exposed_ms} for b in self.buckets]}
+
+
+def predict(recording: Recording, settings: Settings, calibration: Calibration | None = None) -> Prediction:
+    """The step under ``settings``: see [Note: the what-if predictor]."""
+    cal = calibration or calibrate(recording)
+    buckets = rebucket(recording, settings.first_cap_bytes, settings.cap_bytes)
+    order = [p for p in recording.ready_order if all(p in r.grad_ms for v in recording.steps.values() for r in v)]
+    position = {p: i for i, p in enumerate(order)}
+    tail = len(order)  # a parameter without a gradient: its chunk launches at the end of autograd
+    # The new chunks, in launch order: bytes, bucket, and the position whose hook launches them.
+    chunks: list[tuple[int, int, int]] = []
+    latest = 0
+    for b, params in enumerate(buckets):
+        sizes = [recording.param_bytes(p) for p in params]
+        for slots in chunk_slots(sizes, settings.chunk_bytes):
+            latest = max(latest, max(position.get(params[s], tail) for s in slots))
+            chunks.append((sum(sizes[s] for s in slots), b, latest))
+    launched_new = [0] * (len(order) + 1)
+    for nbytes, _, pos in chunks:
+        launched_new[min(pos + 1, len(order))] += nbytes
+    n = recording.world_size
+    steps, backwards, exposed_total = [], [], []
+    exposed_per_bucket = [[] for _ in buckets]
+    for ranks in recording.steps.values():
+        ready_at, launch_at = {}, {}
+        for r in ranks:
+            gaps, launched = _gaps(r, order)
+            times, t = [], 0.0
+            for g, x_old, x_new in zip(gaps, launched, launched_new):
+                t += max(0.0, g - cal.slowdown_ms_per_byte * x_old) + cal.slowdown_ms_per_byte * x_new
+                times.append(t)
+            ready_at[r.rank] = times
+            launch_at[r.rank] = [r.start_ms + times[min(pos, len(order))] for _, _, pos in chunks]
+        inner_done, inner_free = [], -math.inf
+        for k, (nbytes, _, _) in enumerate(chunks):
+            start = max(max(launch_at[r.rank][k] for r in ranks), inner_free)
+            inner_free = start + cal.inner_ms_per_byte * nbytes
+            inner_done.append(inner_free)
+        step_ms, exposed_sum, backward = [], 0.0, []
+        per_bucket = [0.0] * len(buckets)
+        for r in ranks:
+            free = -math.inf
+            complete = [-math.inf] * len(buckets)
+            for k, (nbytes, b, _) in enumerate(chunks):
+                due = max(launch_at[r.rank][k], free) + _link_ms(nbytes, n, settings.link)
+                free = due
+                complete[b] = max(complete[b], max(due, inner_done[k]) + cal.completion_delay_ms)
+            end = r.start_ms + ready_at[r.rank][-1]
+            done = end
+            for b, params in enumerate(buckets):
+                ready = max(end, done)
+                wait = max(0.0, complete[b] - ready)
+                per_bucket[b] += wait / len(ranks)
+                exposed_sum += wait / len(ranks)
+                nbytes = sum(recording.param_bytes(p) for p in params)
+                done = max(ready, complete[b]) + cal.write_back_ms_per_byte * nbytes
+            step_ms.append(done - r.start_ms)
+            backward.append(ready_at[r.rank][-1])
+        steps.append(statistics.fmean(step_ms))
+        backwards.append(statistics.fmean(backward))
+        exposed_total.append(exposed_sum)
+        for b, v in enumerate(per_bucket):
+            exposed_per_bucket[b].append(v)
+    out_buckets = []
+    for b, params in enumerate(buckets):
+        sizes = [recording.param_bytes(p) for p in params]
+        out_buckets.append(BucketPrediction(b, len(params), sum(sizes), len(chunk_slots(sizes, settings.chunk_bytes)),
+                                            statistics.median(exposed_per_bucket[b])))
+    return Prediction(settings, statistics.median(steps), statistics.median(backwards),
+                      statistics.median(exposed_total), out_buckets)
+
+
+def recorded_step_ms(recording: Recording) -> float:
+    """The recorded steps, as ``predict`` reports its own: median over steps of the ranks' mean."""
+    return statistics.median(statistics.fmean(r.finalize_end_ms for r in v) for v in recording.steps.values())
+
+
+def settings_for(recording: Recording, link: "str | network.Link | None" = None, bucket_cap_mb: float | None = None,
+                 first_bucket_cap_mb: float | None = None, chunk_mb: float | None = None) -> Settings:
+    """``recording``'s settings with what is given replaced; a cap given
+    alone sets the first bucket's cap too (the wrapper's rule,
+    ``pydist.ddp.buckets.bucket_caps``)."""
+    from pydist.ddp.buckets import bucket_caps
+
+    base = recording.settings
+    first, cap = base.first_cap_bytes, base.cap_bytes
+    if bucket_cap_mb is not None or first_bucket_cap_mb is not None:
+        first, cap = bucket_caps(bucket_cap_mb if bucket_cap_mb is not None else base.cap_bytes / MB,
+                                 first_bucket_cap_mb)
+    return Settings(network.parse_link(link) if link is not None else base.link, first, cap,
+                    int(chunk_mb * MB) if chunk_mb is not None else base.chunk_bytes)
+
+
+def recommend(recording: Recording, settings: Settings, caps_mb: Sequence[float],
+              calibration: Calibration | None = None) -> dict:
+    """The cap among ``caps_mb`` with the shortest predicted step (the
+    first bucket takes the same cap), at ``settings``' link and chunks."""
+    from pydist.ddp.buckets import bucket_caps
+
+    cal = calibration or calibrate(recording)
+    by_cap = {}
+    for cap in caps_mb:
+        first, cap_bytes = bucket_caps(cap)
+        by_cap[cap] = predict(recording, settings._replace(first_cap_bytes=first, cap_bytes=cap_bytes), cal).step_ms
+    best = min(by_cap, key=by_cap.get)
+    return {"cap_mb": best, "step_ms": by_cap[best], "by_cap": [{"cap_mb": c, "step_ms": t} for c, t in by_cap.items()]}
+
+
+def _link_text(link: network.Link) -> str:
+    return "no simulated link" if math.isinf(link.bandwidth_bps) else str(link)
+
+
+def predict_json(document: dict, link=None, bucket_cap_mb=None, first_bucket_cap_mb=None, chunk_mb=None,
+                 recommend_caps: Sequence[float] | None = None, wrapper: int | None = None) -> dict:
+    """What ``python -m pydist.overlap predict --json`` prints."""
+    recording = load_recording(document, wrapper)
+    cal = calibrate(recording)
+    settings = settings_for(recording, link, bucket_cap_mb, first_bucket_cap_mb, chunk_mb)
+    out = predict(recording, settings, cal).as_json()
+    out["link"] = _link_text(settings.link)
+    out["recorded"] = {"step_ms": recorded_step_ms(recording), "steps": len(recording.steps),
+                       "ranks": recording.world_size, **recording.settings.describe(),
+                       "link": _link_text(recording.settings.link)}
+    out["calibration"] = cal.describe()
+    if recommend_caps:
+        out["recommend"] = recommend(recording, settings, recommend_caps, cal)
+    return out
+
+
+def predict_text(result: dict) -> str:
+    rec = result["recorded"]
+    lines = [
+        f"recorded: {rec['link']}, cap {rec['bucket_cap_mb']:g} MB, chunks {rec['chunk_mb']:g} MB: "
+        f"step {rec['step_ms']:.2f} ms (median of {rec['steps']} steps, {rec['ranks']} ranks)",
+        f"predicted: {result['link']}, cap {result['bucket_cap_mb']:g} MB, chunks {result['chunk_mb']:g} MB: "
+        f"step {result['step_ms']:.2f} ms (backward {result['backward_ms']:.2f}, exposed {result['exposed_ms']:.2f})",
+        f"{'bucket':>6} {'params':>6} {'MB':>8} {'chunks':>6} {'exposed ms':>10}",
+    ]
+    for b in result["buckets"]:
+        lines.append(f"{b['bucket']:>6} {b['params']:>6} {b['bytes'] / MB:>8.2f} {b['chunks']:>6} {b['exposed_ms']:>10.2f}")
+    if "recommend" in result:
+        r = result["recommend"]
+        caps = ", ".join(f"{c['cap_mb']:g} MB {c['step_ms']:.2f}" for c in r["by_cap"])
+        lines.append(f"recommended cap: {r['cap_mb']:g} MB ({caps} ms)")
+    return "\n".join(lines) + "\n"

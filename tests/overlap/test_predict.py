@@ -1,0 +1,159 @@
+"""The what-if predictor (``python -m pydist.overlap predict``, [Note: the
+what-if predictor] in pydist/overlap/predict.py): from one recorded run,
+the buckets and chunks it replays at another cap are exactly the ones the
+reducer builds there; its prediction of the recorded settings is near the
+recorded step and a slower link predicts a slower step (loose bounds: the
+machine is shared; the accuracy targets are benchmarks/bench_predict.py's);
+its CLI errors exit 2 naming the problem, as ``report``'s do."""
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from pydist.spawn import run_ranks
+
+STEPS = 8
+LINK = "0.2Gbps,50us"
+RECORD_CAP_MB = 0.1
+CAPS_MB = (0.02, 0.07, 0.3, 25.0)
+CHUNKS_MB = (0.0, 0.03)
+
+
+def _model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(96, 96), torch.nn.LayerNorm(96)]
+    return torch.nn.Sequential(*layers)
+
+
+def _step(ddp, x):
+    ddp.zero_grad()
+    ddp(x).square().mean().backward()
+
+
+def _ranks(rank, world_size, directory):
+    """Records one run into ``directory``; then, per cap and chunk size, the
+    buckets the reducer builds and each bucket's chunk sizes."""
+    import pydist
+    from pydist.overlap import hooks
+
+    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(rank))
+    os.environ["PYDIST_TRACE"] = directory
+    try:
+        ddp = pydist.DistributedDataParallel(_model(), bucket_cap_mb=RECORD_CAP_MB, sim_net=LINK)
+        for _ in range(STEPS):
+            _step(ddp, x)
+        hooks.TraceSession.get(directory).write()
+    finally:
+        del os.environ["PYDIST_TRACE"]
+    built = {}
+    for cap in CAPS_MB:
+        for chunk in CHUNKS_MB:
+            ddp = pydist.DistributedDataParallel(_model(), bucket_cap_mb=cap, allreduce_chunk_mb=chunk,
+                                                 record_timing=True)
+            for _ in range(2):  # the first rebuilds the buckets from the gradient order
+                _step(ddp, x)
+            record = ddp.last_iteration_record()
+            built[(cap, chunk)] = ([list(b) for b in ddp.bucket_indices()],
+                                   [[c.bytes for c in b.chunks] for b in record.buckets])
+    return built
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("predict") / "trace")
+    built = run_ranks(_ranks, 2, args=(directory,), timeout=90)[0]
+    return directory, built
+
+
+def _cli(*argv):
+    from pydist.overlap.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["predict", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _recording(directory):
+    from pydist.overlap import predict, trace
+    from pydist.overlap.__main__ import _rank_files
+
+    return predict.load_recording(trace.merge_traces(_rank_files([directory])))
+
+
+@pytest.mark.timeout(120)
+def test_rebucketing_is_the_reducers(recorded):
+    from pydist.ddp.buckets import bucket_caps
+    from pydist.overlap import predict
+
+    directory, built = recorded
+    recording = _recording(directory)
+    layouts = set()
+    for (cap, chunk), (buckets, chunk_bytes) in built.items():
+        predicted = predict.rebucket(recording, *bucket_caps(cap))
+        assert predicted == buckets, (cap, predicted, buckets)
+        slots = [[sum(recording.param_bytes(b[s]) for s in r)
+                  for r in predict.chunk_slots([recording.param_bytes(p) for p in b], int(chunk * predict.MB))]
+                 for b in buckets]
+        assert slots == chunk_bytes, (cap, chunk, slots, chunk_bytes)
+        layouts.add(len(buckets))
+    assert len(layouts) >= 3  # the caps make different layouts: the comparison can fail
+
+
+@pytest.mark.timeout(60)
+def test_prediction_near_the_recording_and_slower_link_slower(recorded):
+    directory, _ = recorded
+    code, out, err = _cli(directory, "--json")
+    assert code == 0, err
+    same = json.loads(out)
+    recorded_ms = same["recorded"]["step_ms"]
+    assert same["link"] == LINK and same["bucket_cap_mb"] == RECORD_CAP_MB
+    assert abs(same["step_ms"] - recorded_ms) <= 0.25 * recorded_ms, same
+    assert [b["bucket"] for b in same["buckets"]] == list(range(len(same["buckets"])))
+    assert all(b["exposed_ms"] >= 0 for b in same["buckets"])
+    code, out, err = _cli(directory, "--link", "0.02Gbps,50us", "--bucket-cap-mb", "0.3", "--chunk-mb", "0",
+                          "--recommend", "0.02,0.3,25", "--json")
+    assert code == 0, err
+    slow = json.loads(out)
+    assert slow["link"] == "0.02Gbps,50us" and slow["bucket_cap_mb"] == 0.3
+    # 10x less bandwidth: each bucket's all-reduce alone takes 10x longer than recorded
+    assert slow["step_ms"] > 2 * same["step_ms"], (slow, same)
+    assert slow["exposed_ms"] > same["exposed_ms"]
+    rec = slow["recommend"]
+    assert [c["cap_mb"] for c in rec["by_cap"]] == [0.02, 0.3, 25.0]
+    assert rec["step_ms"] == min(c["step_ms"] for c in rec["by_cap"])
+    code, text, err = _cli(directory, "--bucket-cap-mb", "25")
+    assert code == 0, err
+    assert text.startswith(f"recorded: {LINK}, cap 0.1 MB") and f"predicted: {LINK}, cap 25 MB" in text
+
+
+@pytest.mark.timeout(30)
+def test_errors_exit_2_naming_the_problem(recorded, tmp_path):
+    directory, _ = recorded
+    cases = [
+        ((str(tmp_path / "none"),), "No such file or directory"),
+        ((str(tmp_path),), "no rank<N>.json"),
+        ((directory, "--link", "fast"), "--link: simulated network 'fast'"),
+        ((directory, "--bucket-cap-mb", "0"), "--bucket-cap-mb must be > 0"),
+        ((directory, "--recommend", "1,x"), "--recommend '1,x'"),
+        ((directory, "--wrapper", "3"), "no settings of DDP wrapper 3"),
+    ]
+    old = tmp_path / "old"
+    old.mkdir()
+    document = json.load(open(os.path.join(directory, "rank0.json")))
+    document["otherData"].pop("wrappers")
+    json.dump(document, open(old / "rank0.json", "w"))
+    cases.append(((str(old),), "no DDP wrapper's settings"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "rank0.json").write_text('{"traceEvents": [')
+    cases.append(((str(tmp_path / "broken"),), "not valid JSON"))
+    for argv, expected in cases:
+        code, out, err = _cli(*argv, "--json")
+        assert code == 2 and out == "", (argv, code, out, err)
+        assert err.startswith("pydist.overlap predict: ") and expected in err and "Traceback" not in err, (argv, err)
