@@ -21,10 +21,18 @@ __all__ = [
     "FullyShardedDataParallel",
     "ShardingStrategy",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
     "clip_grad_norm_",
     "patch_torch",
 ]
 __version__ = "0.1.0"
+
+
+# FSDP2's policies are torch's own objects (fully_shard takes them as torch
+# passes them); CPUOffloadPolicy is refused by fully_shard, naming it.
+_TORCH_FSDP2_POLICIES = ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
 
 
 def __getattr__(name):  # FSDP1's front door imports torch.distributed.fsdp: only when used
@@ -32,4 +40,8 @@ def __getattr__(name):  # FSDP1's front door imports torch.distributed.fsdp: onl
         import pydist.fsdp
 
         return getattr(pydist.fsdp, name)
+    if name in _TORCH_FSDP2_POLICIES:
+        import torch.distributed.fsdp
+
+        return getattr(torch.distributed.fsdp, name)
     raise AttributeError(f"module 'pydist' has no attribute {name!r}")

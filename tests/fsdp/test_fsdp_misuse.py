@@ -108,3 +108,17 @@ def test_misuse_is_refused_and_records_are_local():
             unit = "'0' (FSDPLinear)" if when == "before" else "'1' (FSDPLinear)"
             assert message.startswith("ValueError") and f"{unit}, which is not a root" in message, message
         assert out["batch_bytes_fixed"] and all(out["batch_bytes_fixed"]), out["batch_bytes_fixed"]
+
+
+def test_fsdp2_policies_are_torchs_own_objects():
+    """``from pydist import MixedPrecisionPolicy`` (as an FSDP2 script imports
+    it beside fully_shard) gives torch's class itself, so isinstance checks
+    and pickled policies cannot tell them apart."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import pydist
+    from pydist import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    assert MixedPrecisionPolicy is torch_fsdp.MixedPrecisionPolicy
+    assert OffloadPolicy is torch_fsdp.OffloadPolicy and CPUOffloadPolicy is torch_fsdp.CPUOffloadPolicy
+    assert {"MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"} <= set(pydist.__all__)
