@@ -74,28 +74,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"merged {len(paths)} traces (ranks {document['otherData']['merged_ranks']}) into {output}")
         return 0
-    try:
-        if os.path.isdir(args.trace):
-            try:
-                document = trace.merge_traces(_rank_files([args.trace]))
-            except SystemExit as exc:  # no rank files there
-                raise ValueError(str(exc).replace("pydist.overlap merge: ", "")) from None
-        else:
-            document = trace.load_trace(args.trace)
-        text = (json.dumps(report.report_json(document), indent=1) + "\n" if args.json
-                else report.report_text(document))
-    except ValueError as exc:
-        text = str(exc)
-        where = "" if text.startswith(f"{args.trace}:") else f"{args.trace}: "  # the report's errors name no file
-        print(f"pydist.overlap report: {where}{text}", file=sys.stderr)
+    def read():
+        document = _load(args.trace)
+        return document, (json.dumps(report.report_json(document), indent=1) + "\n" if args.json
+                          else report.report_text(document))
+
+    read = _reading("report", args.trace, read)
+    if read is _FAILED:
         return 2
-    except (KeyError, TypeError) as exc:  # a value of another type where steps_from_trace checks none
-        print(f"pydist.overlap report: {args.trace}: not a trace the report can read "
-              f"({type(exc).__name__}: {exc})", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pydist.overlap report: {exc}", file=sys.stderr)
-        return 2
+    document, text = read
     sys.stdout.write(text)
     if args.plot:
         try:
@@ -105,6 +92,28 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"drew rank {chosen.rank}, step {chosen.step} into {args.plot}")
     return 0
+
+
+_FAILED = object()  # what _reading returns when it named a fault
+
+
+def _reading(command: str, path: str, work):
+    """``work()``'s result, or _FAILED with the fault named on stderr (no
+    traceback) when reading the trace at ``path`` fails: a ValueError (the
+    file's or an option's fault), a value of another type where the reader
+    checks none (KeyError, TypeError), an OSError."""
+    try:
+        return work()
+    except ValueError as exc:
+        text = str(exc)
+        where = "" if text.startswith(f"{path}:") or text.startswith("--") else f"{path}: "
+        print(f"pydist.overlap {command}: {where}{text}", file=sys.stderr)
+    except (KeyError, TypeError) as exc:
+        print(f"pydist.overlap {command}: {path}: not a trace {command} can read "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+    except OSError as exc:
+        print(f"pydist.overlap {command}: {exc}", file=sys.stderr)
+    return _FAILED
 
 
 def _load(path: str) -> dict:
@@ -118,8 +127,7 @@ def _load(path: str) -> dict:
 
 
 def _predict(args) -> int:
-    # Errors as report's: named on stderr, exit 2, no traceback.
-    try:
+    def work():
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(args, name)
             if value is not None and not value > 0:
@@ -140,21 +148,12 @@ def _predict(args) -> int:
                 predict.network.parse_link(args.link)
             except ValueError as exc:
                 raise ValueError(f"--link: {exc}") from None
-        document = _load(args.trace)
-        result = predict.predict_json(document, link=args.link, bucket_cap_mb=args.bucket_cap_mb,
-                                      first_bucket_cap_mb=args.first_bucket_cap_mb, chunk_mb=args.chunk_mb,
-                                      recommend_caps=caps, wrapper=args.wrapper)
-    except ValueError as exc:
-        text = str(exc)
-        where = "" if text.startswith(f"{args.trace}:") or text.startswith("--") else f"{args.trace}: "
-        print(f"pydist.overlap predict: {where}{text}", file=sys.stderr)
-        return 2
-    except (KeyError, TypeError) as exc:
-        print(f"pydist.overlap predict: {args.trace}: not a trace the predictor can read "
-              f"({type(exc).__name__}: {exc})", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pydist.overlap predict: {exc}", file=sys.stderr)
+        return predict.predict_json(_load(args.trace), link=args.link, bucket_cap_mb=args.bucket_cap_mb,
+                                    first_bucket_cap_mb=args.first_bucket_cap_mb, chunk_mb=args.chunk_mb,
+                                    recommend_caps=caps, wrapper=args.wrapper)
+
+    result = _reading("predict", args.trace, work)  # errors as report's: named on stderr, exit 2
+    if result is _FAILED:
         return 2
     sys.stdout.write(json.dumps(result, indent=1) + "\n" if args.json else predict.predict_text(result))
     return 0

@@ -110,17 +110,22 @@ def run_ddp(out: dict) -> None:
     out["params_hash"] = digest(a)
 
 
-def run_fsdp(out: dict) -> None:
+def _sharded_beside_torch(mesh=None) -> tuple:
+    """pydist.fully_shard and torch's, each Linear a unit then the root, on
+    ``mesh`` (None: the world; a callable: a fresh mesh per wrapper), 3 Adam
+    steps on the same batches: (pydist's model, its full state dict, the
+    largest difference from torch's)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from pydist.fsdp import full_state_dict
 
     rank = dist.get_rank()
     ours, theirs = model_of(0), model_of(0)
-    for block in ours:
-        pydist.fully_shard(block)
-    pydist.fully_shard(ours)
-    for block in theirs:
-        torch_fully_shard(block)
-    torch_fully_shard(theirs)
+    for wrap, m in ((pydist.fully_shard, ours), (torch_fully_shard, theirs)):
+        kwargs = {"mesh": mesh()} if mesh is not None else {}
+        for block in m:
+            wrap(block, **kwargs)
+        wrap(m, **kwargs)
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (ours, theirs)]
     for step in range(3):
         x, y = batch(step, rank)
@@ -128,52 +133,28 @@ def run_fsdp(out: dict) -> None:
             opt.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
             opt.step()
-    from pydist.fsdp import full_state_dict
-    from pydist.fsdp._utils import _root_state
-
-    out["transport"] = _root_state(ours).transport.name
     mine = full_state_dict(ours)
     torch_full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
-    out["max_diff_vs_torch"] = max((mine[k] - torch_full[k]).abs().max().item() for k in torch_full)
-    full = torch.cat([mine[k].reshape(-1) for k in sorted(mine)])
-    out["params_hash"] = digest(full)
-    run_hsdp(out)
+    return ours, mine, max((mine[k] - torch_full[k]).abs().max().item() for k in torch_full)
 
 
-def run_hsdp(out: dict) -> None:
-    """HSDP with each host's ranks as the shard group (the mesh's rows are
-    the hosts, whatever order the launcher numbered the ranks in), beside
-    torch's HSDP on the same mesh."""
+def run_fsdp(out: dict) -> None:
+    """FULL_SHARD across hosts, then HSDP with each host's ranks as the shard
+    group (the mesh's rows are the hosts, whatever order the launcher
+    numbered the ranks in), each beside torch's on the same mesh."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from pydist import topology
-    from pydist.fsdp import full_state_dict
     from pydist.fsdp._utils import _root_state
 
-    rank = dist.get_rank()
+    ours, mine, out["max_diff_vs_torch"] = _sharded_beside_torch()
+    out["transport"] = _root_state(ours).transport.name
+    out["params_hash"] = digest(torch.cat([mine[k].reshape(-1) for k in sorted(mine)]))
     hosts = torch.tensor(topology.of().hosts)  # (replicas, shards): row h is host h's ranks
-
-    def mesh():
-        return DeviceMesh("cpu", hosts, mesh_dim_names=("replicate", "shard"))
-
-    ours, theirs = model_of(0), model_of(0)
-    for wrap, m, on in ((pydist.fully_shard, ours, mesh()), (torch_fully_shard, theirs, mesh())):
-        for block in m:
-            wrap(block, mesh=on)
-        wrap(m, mesh=on)
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (ours, theirs)]
-    for step in range(3):
-        x, y = batch(step, rank)
-        for m, opt in zip((ours, theirs), opts):
-            opt.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-            opt.step()
+    ours, mine, out["hsdp_max_diff_vs_torch"] = _sharded_beside_torch(
+        lambda: DeviceMesh("cpu", hosts, mesh_dim_names=("replicate", "shard")))
     root = _root_state(ours)
     out["hsdp_transports"] = [root.transport.name, root.replicate_transport.name]
-    mine = full_state_dict(ours)
-    torch_full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
-    out["hsdp_max_diff_vs_torch"] = max((mine[k] - torch_full[k]).abs().max().item() for k in torch_full)
     out["hsdp_params_hash"] = digest(torch.cat([mine[k].reshape(-1) for k in sorted(mine)]))
 
 

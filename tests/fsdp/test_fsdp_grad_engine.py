@@ -26,18 +26,24 @@ from pydist.spawn import run_ranks
 # --------------------------------------------------------------------------
 
 
+def _pack_case(dtype, world_size):
+    """A unit's gradients (None: a frozen parameter, or no gradient), their
+    numels, its shard's numel and a batch row with the unit between two
+    others (its column is not the first)."""
+    g = torch.Generator().manual_seed(world_size)
+    shapes = [(5, 3), (7,), (1,), (4, 4), (2,)]
+    present = [True, False, True, True, False]
+    grads = [torch.randn(s, generator=g).to(dtype) if p else None for s, p in zip(shapes, present)]
+    numels = [torch.Size(s).numel() for s in shapes]
+    shard_numel = -(-sum(numels) // world_size)
+    return grads, numels, shard_numel, 3 + shard_numel + 5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_pack_rank_major_matches_the_oracle(dtype, world_size, scale):
-    g = torch.Generator().manual_seed(world_size)
-    shapes = [(5, 3), (7,), (1,), (4, 4), (2,)]
-    present = [True, False, True, True, False]  # None: a frozen parameter, or no gradient
-    grads = [torch.randn(s, generator=g).to(dtype) if p else None for s, p in zip(shapes, present)]
-    numels = [torch.Size(s).numel() for s in shapes]
-    shard_numel = -(-sum(numels) // world_size)
-    # the unit between two others in a batch: its column is not the first
-    row = 3 + shard_numel + 5
+    grads, numels, shard_numel, row = _pack_case(dtype, world_size)
     got = torch.full((world_size * row,), -7.0, dtype=dtype)
     want = got.clone()
     _C.pack_rank_major(grads, numels, got, world_size, 3, shard_numel, scale)
@@ -54,12 +60,7 @@ def test_pack_rank_major_matches_the_oracle(dtype, world_size, scale):
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_pack_rank_major_on_cuda_is_the_cpu_pack(dtype, world_size, scale):
     """A CUDA unit's pack (one ATen op per cut) writes the CPU pack's bits."""
-    g = torch.Generator().manual_seed(world_size)
-    shapes = [(5, 3), (7,), (1,), (4, 4), (2,)]
-    grads = [torch.randn(s, generator=g).to(dtype) if i % 2 == 0 else None for i, s in enumerate(shapes)]
-    numels = [torch.Size(s).numel() for s in shapes]
-    shard_numel = -(-sum(numels) // world_size)
-    row = 3 + shard_numel + 5
+    grads, numels, shard_numel, row = _pack_case(dtype, world_size)
     want = torch.full((world_size * row,), -7.0, dtype=dtype)
     got = want.cuda()
     _C.pack_rank_major(grads, numels, want, world_size, 3, shard_numel, scale)
