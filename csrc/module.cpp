@@ -131,7 +131,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg) {
              return freed_without_gil(std::make_shared<tp::ProcessGroupTransport>(std::move(pg)));
            }),
-           py::arg("process_group"));
+           py::arg("process_group"))
+      .def_property("failure_context", &tp::ProcessGroupTransport::failure_context,
+                    &tp::ProcessGroupTransport::set_failure_context,
+                    "Appended to a failed collective's error: the hosts this rank may have lost");
   py::class_<ShmTransport, tp::Transport, std::shared_ptr<ShmTransport>>(
       m, "ShmTransport", "Collectives through shared memory for ranks on one host (csrc/transport/shm_transport.h)")
       .def(py::init([](std::string name, int64_t rank, int64_t world_size, bool create, double timeout_s) {

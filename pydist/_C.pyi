@@ -48,6 +48,10 @@ class BucketRecord:
     @property
     def last_grad_ns(self) -> int: ...
     @property
+    def param_indices(self) -> list[int]: ...  # the bucket's parameters, in the order their gradients were ready
+    @property
+    def grad_ns(self) -> list[int]: ...  # when each of them was ready
+    @property
     def launch_ns(self) -> int: ...
     @property
     def complete_ns(self) -> int: ...
@@ -111,6 +115,10 @@ class Transport:
 
 class ProcessGroupTransport(Transport):
     def __init__(self, process_group: dist.ProcessGroup) -> None: ...
+    @property
+    def failure_context(self) -> str: ...  # appended to a failed collective's error
+    @failure_context.setter
+    def failure_context(self, value: str) -> None: ...
 
 class ShmTransport(Transport):
     def __init__(self, name: str, rank: int, world_size: int, create: bool, timeout_s: float) -> None: ...

@@ -27,10 +27,17 @@ class ProcessGroupTransport : public Transport {
   std::string name() const override { return process_group_->getBackendName(); }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
 
+  // Appended to the error of a collective that fails, for a group that spans
+  // hosts: the hosts this rank could have lost (set by pydist.transport; the
+  // hierarchical transport names them the same way on its cross-host leg).
+  void set_failure_context(std::string context) { failure_context_ = std::move(context); }
+  const std::string& failure_context() const { return failure_context_; }
+
  private:
   Future track(c10::intrusive_ptr<c10d::Work> work) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  std::string failure_context_;
 };
 
 }  // namespace transport

@@ -193,6 +193,24 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   TORCH_CHECK(process_group_, "ProcessGroupTransport: process_group is None");
 }
 
+namespace {
+
+// Waits on `work`; a failure is rethrown with `context` after the group's
+// own message (see ProcessGroupTransport::set_failure_context).
+void wait_naming(const c10::intrusive_ptr<c10d::Work>& work, const std::string& context) {
+  if (context.empty()) {
+    work->wait();
+    return;
+  }
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string(e.what()) + "; " + context);
+  }
+}
+
+}  // namespace
+
 Future ProcessGroupTransport::track(c10::intrusive_ptr<c10d::Work> work) const {
   c10::intrusive_ptr<c10::ivalue::Future> inner;
   try {
@@ -201,12 +219,13 @@ Future ProcessGroupTransport::track(c10::intrusive_ptr<c10d::Work> work) const {
     // Some collectives have no future (gloo's reduce-scatter): the handle
     // then completes when it is waited on, stamped with that time.
   }
-  if (inner) return Future(stamped(inner, stamp_completion()), [work] { work->wait(); });
+  const std::string context = failure_context_;
+  if (inner) return Future(stamped(inner, stamp_completion()), [work, context] { wait_naming(work, context); });
   auto done = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
   auto once = std::make_shared<std::once_flag>();
   const bool stamp = stamp_completion();
-  return Future(done, [work, done, once, stamp] {
-    work->wait();
+  return Future(done, [work, done, once, stamp, context] {
+    wait_naming(work, context);
     std::call_once(*once, [&] { done->markCompleted(stamp ? steady_now_ns() : int64_t{-1}); });
   });
 }

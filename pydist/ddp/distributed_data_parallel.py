@@ -41,7 +41,7 @@ from pydist.ddp import buckets as bucketing
 from pydist.ddp.overlap_optimizer import OverlappedOptimizer, UpdateRecord
 from pydist.ddp.records import IterationRecord
 from pydist.ddp.state_sync import broadcast_tensors, verify_same_model
-from pydist.transport import open_shm
+from pydist.transport import ProcessGroupTransport, lost_hosts_context, open_shm
 from pydist.overlap import hooks as overlap_hooks
 
 __all__ = ["DistributedDataParallel"]
@@ -214,6 +214,9 @@ class DistributedDataParallel(_TorchDDP):
         # go through the process group. Lives as long as the reducer.
         self._shm = open_shm(self.process_group, self._params, wanted=shm_allreduce,
                              owner="DistributedDataParallel", keyword="shm_allreduce")
+        # On the plain group across hosts, a failed all-reduce names the other
+        # hosts (pydist.transport.name_lost_hosts); "" on one host.
+        self._lost_hosts = lost_hosts_context(self.process_group)
         self.reducer = self._make_reducer()
         # join(divide_by_initial_world_size=...): average over the world size
         # (True, torch's default) or over the ranks not yet joined.
@@ -271,6 +274,8 @@ class DistributedDataParallel(_TorchDDP):
             transport=overlap_hooks.transport_for(self, self._shm),  # None: the process group's
         )
         overlap_hooks.reducer_made(self, reducer)  # [overlap hook] PYDIST_REPLAY
+        if self._lost_hosts and isinstance(reducer.transport, ProcessGroupTransport):
+            reducer.transport.failure_context = self._lost_hosts
         return reducer
 
     # --- pickling and deepcopy ------------------------------------------------
@@ -297,6 +302,7 @@ class DistributedDataParallel(_TorchDDP):
         # unpickles a DDP with none (torch.load on one rank must not wait for
         # the others), so the copy all-reduces on the group.
         self._shm = None
+        self._lost_hosts = ""  # no collective here: see name_lost_hosts
         self._comm_hook = None  # torch does not carry comm hooks over either
         self._overlap = None
         self.reducer = self._make_reducer()

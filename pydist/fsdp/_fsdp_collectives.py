@@ -66,6 +66,7 @@ def open_transport(group, samples: Sequence[torch.Tensor], shm: bool | None = No
     shm_transport = pydist_transport.open_shm(group, list(samples), wanted=shm, owner="pydist.fully_shard",
                                               keyword="shm", collectives="all-gather and reduce-scatter")
     transport = shm_transport if shm_transport is not None else pydist_transport.ProcessGroupTransport(group)
+    pydist_transport.name_lost_hosts(transport, group)
     transport.set_stamp_completion(True)  # the per-unit records read completion times
     return transport
 

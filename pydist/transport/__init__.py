@@ -36,6 +36,8 @@ __all__ = [
     "transport_of",
     "HierarchicalParts",
     "hierarchical_parts",
+    "name_lost_hosts",
+    "lost_hosts_context",
 ]
 
 Transport = _C.Transport
@@ -43,6 +45,30 @@ TransportFuture = _C.TransportFuture
 ProcessGroupTransport = _C.ProcessGroupTransport
 ShmTransport = _C.ShmTransport
 registered_wrappers = _C.registered_wrappers
+
+
+def name_lost_hosts(transport: Transport, group) -> None:
+    """Collective over ``group`` the first time its topology is asked for:
+    where ``transport`` is the plain process group and the group spans
+    hosts, a failed collective's error ends naming the other hosts, as the
+    hierarchical transport names them on its cross-host leg
+    (``unreachable host: node1 (ranks 2, 3)``; with more hosts, ``among``
+    them): gloo's own error names an address at best, or nothing on a
+    timeout."""
+    if isinstance(transport, ProcessGroupTransport):
+        transport.failure_context = lost_hosts_context(group)
+
+
+def lost_hosts_context(group) -> str:
+    """What ``name_lost_hosts`` appends for ``group`` ("" on one host);
+    collective the first time the group's topology is asked for."""
+    from pydist import topology
+
+    topo = topology.of(group, build_groups=False)
+    others = [topo.host_label(h) for h in range(topo.num_hosts) if h != topo.host]
+    if not others:
+        return ""
+    return ("unreachable host: " if len(others) == 1 else "unreachable host among: ") + ", ".join(others)
 
 
 def wrap(name: str, inner: Transport, **options: float) -> Transport:

@@ -8,7 +8,7 @@ Modes:
                odd sizes (padding), bf16; against gloo's on the same data
   ddp          pydist DDP and torch DDP, same seeds and data, 3 SGD steps
   fsdp         pydist.fully_shard (FULL_SHARD) and torch FSDP2, 3 Adam steps
-  fault        pydist DDP (or with FAULT_WRAPPER=fsdp, the sharded wrapper)
+  fault        pydist DDP (FAULT_WRAPPER=ddp_plain: on the bare group; fsdp: the sharded wrapper)
                stepping until the test faults a host; records the error
 """
 
@@ -166,8 +166,8 @@ def run_fault(out: dict, out_path: str) -> None:
         for block in model:
             pydist.fully_shard(block)
         pydist.fully_shard(model)
-    else:
-        model = pydist.DistributedDataParallel(model_of(0, width=256))
+    else:  # "ddp", or "ddp_plain": the bare process group (shm_allreduce=False)
+        model = pydist.DistributedDataParallel(model_of(0, width=256), shm_allreduce=wrapper != "ddp_plain")
         out["transport"] = model.allreduce_transport
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     step = 0

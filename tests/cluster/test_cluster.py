@@ -159,12 +159,13 @@ def _fault(cluster, tmp_path, fault: str, wrapper: str, timeout_s: int = 8):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fault, wrapper", [("kill", "ddp"), ("cut", "fsdp"), ("stall", "ddp")])
+@pytest.mark.parametrize("fault, wrapper", [("kill", "ddp"), ("cut", "fsdp"), ("stall", "ddp"), ("kill", "ddp_plain")])
 def test_lost_host_is_named(cluster, tmp_path, fault, wrapper):
     """A host's ranks killed, its link cut, or all its processes stopped
     (SIGSTOP, named after the group's timeout): every surviving rank names the
     host and its ranks within the timeout plus 15 s, and leaves nothing in
-    its host's /dev/shm (a killed host's own /dev/shm is empty too)."""
+    its host's /dev/shm (a killed host's own /dev/shm is empty too). On the
+    hierarchical transport and on the bare group (``shm_allreduce=False``)."""
     results, faulted, timeout_s = _fault(cluster, tmp_path, fault, wrapper)
     for r in results:
         assert "unreachable host: node1 (ranks 2, 3)" in r["error"], r["error"]
