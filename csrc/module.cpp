@@ -231,6 +231,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_defer_finalize", &Reducer::set_defer_finalize, py::arg("on"), nogil)
       .def_property_readonly("defer_finalize", py::cpp_function(&Reducer::defer_finalize, nogil))
       .def("finish_bucket", &Reducer::finish_bucket, py::arg("bucket_index"), nogil)
+      .def("landed_buckets", &Reducer::landed_buckets, nogil)
       .def("finish_all", &Reducer::finish_all, nogil)
       .def_property_readonly("state", py::cpp_function(&Reducer::state, nogil));
 

@@ -16,7 +16,9 @@ The pipeline of one step (names in call order):
                        nothing waited for (reducer state Finishing)
     opt.step()         queue_updates: hyperparameters snapshotted, one job per
                        bucket queued in update_order
-    update worker      run_bucket(b): reducer.finish_bucket(b) (waits for b's
+    update worker      run_jobs: per bucket, landed ones first (the link decides
+                       the order, see [Note: the worker follows the link]),
+                       run_bucket(b): reducer.finish_bucket(b) (waits for b's
                        all-reduce, writes its averaged grads to .grad), then the
                        user's optimizer steps b's parameters only
     next forward       each module's forward pre-hook: wait_for_buckets of the
@@ -101,14 +103,24 @@ class UpdateRecord:
 
 
 def update_order(bucket_indices: list[list[int]]) -> list[int]:
-    """The one place deciding in which order the worker takes buckets.
+    """The order of urgency in which the worker considers buckets: the
+    reverse of launch order, the order the next forward needs them in (the
+    reducer's chunk_priority, which the link's queue follows: [Note: the
+    worker follows the link])."""
+    return list(range(len(bucket_indices)))[::-1]
 
-    Launch order: on a first-in-first-out link a bucket launched earlier lands
-    earlier, so the worker updates each bucket as soon as it can. The next
-    forward's front layers (the last buckets launched) are taken by the main
-    thread the moment a forward pre-hook needs them (run_bucket claims a
-    bucket once, whichever thread gets there first)."""
-    return list(range(len(bucket_indices)))
+
+# [Note: the worker follows the link]
+# Which bucket lands when is decided in one place, the link's queue (on the
+# simulated link, [Note: the link's queue] in csrc/transport/
+# sim_net_transport.cpp), from the priority the reducer states per chunk
+# (the later launched, the more urgent). The worker does not second-guess
+# it: of the buckets not yet claimed, it updates one that has landed (the
+# most urgent such), and when none has, waits for the most urgent one, which
+# on a prioritizing link is the next to land. On a first-in-first-out link
+# (gloo, shared memory) the buckets land in launch order and the worker
+# takes them as they land all the same. The next forward's pre-hooks claim
+# a bucket on the main thread when they need it before the worker got to it.
 
 
 # Every OverlappedOptimizer alive (weakly), for wait_all_grads.
@@ -324,8 +336,7 @@ class OverlappedOptimizer:
         if ddp._record_timing:
             self.records.append(record)
         self._record_start = record.start_ns
-        for b in jobs:
-            self._queue.put((b, jobs[b]))
+        self._queue.put(list(jobs.values()))  # in update_order
 
     def run_bucket(self, job: _Job, thread: str) -> None:
         """Wait for the bucket's all-reduce, then update its parameters: once
@@ -350,6 +361,19 @@ class OverlappedOptimizer:
             job.error = error
         finally:
             job.done.set()
+
+    def run_jobs(self, jobs: list[_Job]) -> None:
+        """The worker's share of one step: see [Note: the worker follows the link]."""
+        ddp = self._ddp()
+        if ddp is None:
+            return
+        pending = jobs
+        while True:
+            pending = [job for job in pending if not job.claimed]
+            if not pending:
+                return
+            landed = set(ddp.reducer.landed_buckets())
+            self.run_bucket(next((job for job in pending if job.bucket in landed), pending[0]), "worker")
 
     def _step_on(self, groups: list[dict]) -> None:
         """The user's optimizer on a view holding ``groups`` (its state dict
@@ -491,7 +515,7 @@ def _worker_loop(owner_ref, jobs: queue.SimpleQueue) -> None:
         owner = owner_ref()
         if owner is None:
             return
-        owner.run_bucket(item[1], "worker")
+        owner.run_jobs(item)
         del owner
 
 
