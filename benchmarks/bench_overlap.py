@@ -37,7 +37,8 @@ within each round on the same link:
     plain ms              pydist DDP, then opt.step() after backward
     overlap_optimizer ms  model.overlap_optimizer(opt): each bucket updated as
                           its all-reduce lands, the next forward waiting only
-                          for its own layers (docs/overlap-optimizer.md)
+                          for its own layers, the front layers' chunks first
+                          on the link (docs/overlap-optimizer.md)
     ratio                 overlap_optimizer / plain
 
 overlap_optimizer's update thread and the main thread share the GIL; on a

@@ -18,7 +18,11 @@ choice the link makes), and checks:
   before the all-reduces of the back layers' buckets queued with it had
   completed (the update records against the reducer's stamps);
 - plain DDP on the same link (no overlap_optimizer, no priorities): the
-  same link is first in, first out, with no overtake.
+  same link is first in, first out, with no overtake;
+- the link's queue itself, on pieces launched from Python with
+  ``priority=``: an urgent piece launched last overtakes the waiting ones
+  but not the one on the link, and a cap on bytes in flight that commits
+  every piece at launch leaves nothing to overtake.
 
 The updates-after-their-all-reduce invariant is checked by
 test_overlap_optimizer.py's test_updates_follow_allreduce_and_precede_forward,
@@ -139,3 +143,48 @@ def test_plain_ddp_link_stays_first_in_first_out():
         for completions in result["completions_in_launch_order"]:
             # in launch order, up to a late wake of the link's timer thread on a loaded machine
             assert all(b >= a - 2.0 for a, b in zip(completions, completions[1:])), completions
+
+
+def _link_queue_ranks(rank, world_size):
+    """Four pieces launched back to back on a sim_net link, the last one
+    urgent: the order they complete in, under a cap of one transfer and
+    under a cap that commits them all at launch."""
+    import torch
+    import torch.distributed as dist
+
+    from pydist import transport
+
+    inner = transport.ProcessGroupTransport(dist.group.WORLD)
+    numel = 25_000  # 100 KB: at 40 Mb/s its all-reduce over 2 ranks takes 20 ms
+    bandwidth = 40e6
+    out = {"errors": {}}
+    for name, options in (("inflight_bytes", {"inflight_bytes": -1.0}), ("whole", {"inflight_bytes": 0.5})):
+        try:
+            transport.wrap("sim_net", inner, bandwidth=bandwidth, latency=0.0, **options)
+            out["errors"][name] = None
+        except RuntimeError as error:
+            out["errors"][name] = str(error)
+    for cap in (0, 10 * numel * 4):
+        link = transport.wrap("sim_net", inner, bandwidth=bandwidth, latency=0.0, inflight_bytes=cap)
+        pieces = [torch.full((numel,), float(rank + 10 * i)) for i in range(4)]
+        dist.barrier()
+        futures = [link.all_reduce(p, priority=9 if i == 3 else 0) for i, p in enumerate(pieces)]
+        done = [f.wait() for f in futures]
+        out[cap] = {"order": sorted(range(4), key=lambda i: done[i]), "overtakes": link.stats()["sim_net_overtakes"],
+                    "sums": all(torch.equal(p, torch.full((numel,), float(1 + 20 * i))) for i, p in enumerate(pieces))}
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_link_queue_priority_and_cap():
+    for result in run_ranks(_link_queue_ranks, 2):
+        assert "inflight_bytes must be" in result["errors"]["inflight_bytes"], result["errors"]
+        assert "inflight_bytes must be" in result["errors"]["whole"], result["errors"]
+        one_at_a_time, all_committed = result[0], result[10 * 25_000 * 4]
+        # the first is on the link at once; the urgent last one overtakes the two waiting
+        assert one_at_a_time["order"] == [0, 3, 1, 2], one_at_a_time
+        assert one_at_a_time["overtakes"] == 1, one_at_a_time
+        # a cap that commits every piece at launch leaves nothing to overtake: launch order
+        assert all_committed["order"] == [0, 1, 2, 3], all_committed
+        assert all_committed["overtakes"] == 0, all_committed
+        assert one_at_a_time["sums"] and all_committed["sums"]  # the results are the inner collective's
