@@ -176,6 +176,7 @@ class Reducer:
     @property
     def defer_finalize(self) -> bool: ...
     def finish_bucket(self, bucket_index: int) -> bool: ...  # waits for one bucket, writes its grads back
+    def landed_buckets(self) -> list[int]: ...  # buckets not finished whose collectives all completed (no wait)
     def finish_all(self) -> None: ...
     @property
     def state(self) -> str: ...  # "Idle", "Armed", "Reducing" or "Finishing"
