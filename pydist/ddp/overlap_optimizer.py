@@ -16,11 +16,14 @@ The pipeline of one step (names in call order):
                        nothing waited for (reducer state Finishing)
     opt.step()         queue_updates: hyperparameters snapshotted, one job per
                        bucket queued in update_order
-    update worker      run_jobs: per bucket, landed ones first (the link decides
-                       the order, see [Note: the worker follows the link]),
-                       run_bucket(b): reducer.finish_bucket(b) (waits for b's
-                       all-reduce, writes its averaged grads to .grad), then the
-                       user's optimizer steps b's parameters only
+    update worker      run_jobs: the landed buckets first (the link decides the
+                       order, see [Note: the worker follows the link]),
+                       run_buckets: reducer.finish_bucket(b) for each (waits
+                       for b's all-reduce, writes its averaged grads to .grad),
+                       then one call of the user's optimizer on their
+                       parameters only ([Note: one update for the buckets at
+                       hand]); with updates="forward" there is no worker
+                       ([Note: which thread updates])
     next forward       each module's forward pre-hook: wait_for_buckets of the
                        parameters registered on it (running a bucket's job on
                        the main thread if the worker has not reached it)
@@ -131,7 +134,7 @@ def update_order(bucket_indices: list[list[int]]) -> list[int]:
 # they take turns on the GIL; with no spare core per rank (this 2-core
 # machine, 2 ranks) there is nothing to run in parallel, and the turns slow
 # both: beside a forward, the for-loop Adam's updates of the deep model of
-# bench_overlap.py took 10-35 ms in all against the 8 ms of one opt.step().
+# bench_overlap.py took 9-36 ms in all against the 8 ms of one opt.step().
 # updates="forward": no worker; the next forward's pre-hooks apply each
 # bucket's update when a module first needs it (the end of that forward
 # applies the rest). The update then lies on the forward's path, as
