@@ -37,13 +37,15 @@ within each round on the same link:
     plain ms              pydist DDP, then opt.step() after backward
     overlap_optimizer ms  model.overlap_optimizer(opt): each bucket updated as
                           its all-reduce lands, the next forward waiting only
-                          for its own layers (docs/overlap-optimizer.md)
+                          for its own layers, the front layers' chunks first
+                          on the link (docs/overlap-optimizer.md)
     ratio                 overlap_optimizer / plain
 
 overlap_optimizer's update thread and the main thread share the GIL; on a
 machine with no spare core per rank, Python's default switch interval (5 ms)
 can hold a landed bucket's update (or the forward) for that long:
---switch-interval 0.0002 shows the schedule without that convoy.
+--switch-interval 0.0002 shows the schedule without that convoy, and
+--updates forward leaves the updates to the forward (no second thread).
 """
 
 from __future__ import annotations
@@ -157,7 +159,8 @@ def _records_cost(model_name, rounds, steps, rank):
     return statistics.median(off), statistics.median(on)
 
 
-def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps, rank, optimizer, overlapped):
+def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps, rank, optimizer, overlapped,
+                    updates="worker"):
     """ms per training iteration, steady state (see the module docstring)."""
     from pydist import DistributedDataParallel as DDP
 
@@ -166,7 +169,7 @@ def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps
     opt = (torch.optim.Adam(ddp.parameters(), lr=1e-4) if optimizer == "adam"
            else torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
     if overlapped:
-        ddp.overlap_optimizer(opt)
+        ddp.overlap_optimizer(opt, updates=updates)
     x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
 
     def iteration():
@@ -197,7 +200,7 @@ def optimizer_sweep(rank, world_size, args):
                         key = (model_name, bw, cap, overlapped)
                         times.setdefault(key, []).append(_optimizer_cell(
                             model_name, bw, args.latency, cap, args.chunks[0], args.steps, rank, args.optimizer,
-                            overlapped))
+                            overlapped, args.updates))
     cells = []
     for (m, bw, cap, overlapped), t in times.items():
         if overlapped:
@@ -205,11 +208,12 @@ def optimizer_sweep(rank, world_size, args):
         plain, over = statistics.median(t), statistics.median(times[(m, bw, cap, True)])
         cells.append({"model": m, "bandwidth_gbps": bw, "cap_mb": cap, "chunk_mb": args.chunks[0],
                       "plain_ms": plain, "overlap_optimizer_ms": over, "ratio": over / plain})
-    return {"optimizer": args.optimizer, "optimizer_cells": cells}
+    return {"optimizer": args.optimizer, "updates": args.updates, "optimizer_cells": cells}
 
 
 def print_optimizer_table(result, latency):
-    print(f"2 ranks, simulated link latency {latency}, {result['optimizer']}; ms per training iteration "
+    print(f"2 ranks, simulated link latency {latency}, {result['optimizer']}, updates={result['updates']!r}; "
+          "ms per training iteration "
           "(zero_grad + forward + backward + step, steady state), medians over rounds; rank 0")
     print(f"{'model':<6} {'Gb/s':>6} {'cap MB':>7} {'chunk MB':>8} {'plain ms':>9} {'overlap_optimizer ms':>20} "
           f"{'ratio':>6}")
@@ -312,6 +316,8 @@ def main():
     parser.add_argument("--cost-rounds", type=int, default=15)
     parser.add_argument("--optimizer", choices=["adam", "sgd"],
                         help="time training iterations, plain vs overlap_optimizer (first --chunks value)")
+    parser.add_argument("--updates", choices=["worker", "forward"], default="worker",
+                        help="overlap_optimizer's updates= (docs/overlap-optimizer.md)")
     parser.add_argument("--switch-interval", type=float, metavar="S",
                         help="sys.setswitchinterval in each rank (--optimizer sweep; Python's default is 0.005)")
     parser.add_argument("--json", action="store_true")

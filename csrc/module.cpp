@@ -109,8 +109,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("done", &tp::Future::completed);
   py::class_<tp::Transport, std::shared_ptr<tp::Transport>>(m, "Transport",
                                                               "Moves tensors between the ranks of one group")
-      .def("all_reduce", &tp::Transport::all_reduce, py::arg("piece"), py::arg("scale") = 1.0, nogil,
-           "piece := sum over ranks of piece * scale, in place")
+      .def(
+          "all_reduce",
+          [](tp::Transport& t, at::Tensor piece, double scale, int64_t priority) {
+            tp::PriorityScope scope(priority);  // [Note: transfer priority]
+            return t.all_reduce(std::move(piece), scale);
+          },
+          py::arg("piece"), py::arg("scale") = 1.0, py::kw_only(), py::arg("priority") = 0, nogil,
+          "piece := sum over ranks of piece * scale, in place; `priority` (higher: more urgent) orders the "
+          "transfer on a link that can reorder its queue (sim_net), and is ignored elsewhere")
       .def("reduce_scatter", &tp::Transport::reduce_scatter, py::arg("input"), py::arg("output_shard"),
            py::arg("scale") = 1.0, nogil,
            "output_shard := sum over ranks of shard `rank` of input (world_size contiguous shards) * scale")
@@ -236,6 +243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_defer_finalize", &Reducer::set_defer_finalize, py::arg("on"), nogil)
       .def_property_readonly("defer_finalize", py::cpp_function(&Reducer::defer_finalize, nogil))
       .def("finish_bucket", &Reducer::finish_bucket, py::arg("bucket_index"), nogil)
+      .def("landed_buckets", &Reducer::landed_buckets, nogil)
       .def("finish_all", &Reducer::finish_all, nogil)
       .def_property_readonly("state", py::cpp_function(&Reducer::state, nogil));
 

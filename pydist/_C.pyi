@@ -92,7 +92,7 @@ class TransportFuture:
 class Transport:
     """Moves tensors between the ranks of one group; see [Note: transports]."""
 
-    def all_reduce(self, piece: torch.Tensor, scale: float = 1.0) -> TransportFuture: ...
+    def all_reduce(self, piece: torch.Tensor, scale: float = 1.0, *, priority: int = 0) -> TransportFuture: ...
     def reduce_scatter(
         self, input: torch.Tensor, output_shard: torch.Tensor, scale: float = 1.0
     ) -> TransportFuture: ...
@@ -184,6 +184,7 @@ class Reducer:
     @property
     def defer_finalize(self) -> bool: ...
     def finish_bucket(self, bucket_index: int) -> bool: ...  # waits for one bucket, writes its grads back
+    def landed_buckets(self) -> list[int]: ...  # buckets not finished whose collectives all completed (no wait)
     def finish_all(self) -> None: ...
     @property
     def state(self) -> str: ...  # "Idle", "Armed", "Reducing" or "Finishing"

@@ -338,7 +338,22 @@ void Reducer::launch_chunk(size_t bucket_index, size_t chunk_index) {
     bucket.record.chunks[chunk_index].launch_ns = t;
     if (bucket.record.launch_ns < 0) bucket.record.launch_ns = t;
   }
+  // Under deferred finalize the next forward may start while chunks are
+  // still queued: tell the transport how soon it needs this one ([Note:
+  // transfer priority]). Without it, nothing reads a bucket before all are
+  // finished, and every chunk keeps priority 0 (launch order).
+  transport::PriorityScope priority(defer_finalize_ ? chunk_priority(bucket_index, chunk_index) : 0);
   chunk.future = all_reduce(bucket_index, bucket.buffer, chunk, transport_scales ? average_scale_ : 1.0);
+}
+
+int64_t Reducer::chunk_priority(size_t bucket_index, size_t chunk_index) const {
+  // The chunk's place in the launch order. Buckets are laid out (rebuilt)
+  // in the order gradients become ready, which is the reverse of the order
+  // the forward uses the parameters: the later a chunk launches, the sooner
+  // the next forward needs it.
+  int64_t ordinal = static_cast<int64_t>(chunk_index);
+  for (size_t b = 0; b < bucket_index; ++b) ordinal += static_cast<int64_t>(buckets_[b].chunks.size());
+  return ordinal;
 }
 
 transport::Future Reducer::all_reduce(size_t bucket_index, const at::Tensor& buffer, const Chunk& chunk,
@@ -485,6 +500,20 @@ bool Reducer::finish_bucket(int64_t bucket_index) {
   RECORD_FUNCTION("pydist.Reducer.finish_bucket", std::vector<c10::IValue>());
   finish_bucket_locked(static_cast<size_t>(bucket_index));
   return true;
+}
+
+std::vector<int64_t> Reducer::landed_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> landed;
+  if (state_ != ReducerState::kFinishing) return landed;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (finished_[b]) continue;
+    const auto& chunks = buckets_[b].chunks;
+    if (std::all_of(chunks.begin(), chunks.end(), [](const Chunk& c) { return c.future.completed(); })) {
+      landed.push_back(static_cast<int64_t>(b));
+    }
+  }
+  return landed;
 }
 
 void Reducer::finish_all() {

@@ -253,6 +253,11 @@ class Reducer {
   // GIL, from the update worker or a forward pre-hook.
   bool finish_bucket(int64_t bucket_index);
 
+  // Finishing only: the buckets not yet finished whose collectives have all
+  // completed (finish_bucket would not wait), in launch order; empty
+  // otherwise. Does not wait.
+  std::vector<int64_t> landed_buckets() const;
+
   // Finishes every bucket not yet finished, in launch order. No-op unless Finishing.
   void finish_all();
 
@@ -293,6 +298,9 @@ class Reducer {
   void mark_param_ready(int64_t index);
   void launch_ready_chunks();
   void launch_chunk(size_t bucket_index, size_t chunk_index);
+  // How soon the next forward needs the chunk (higher: sooner); the one
+  // place stating it. See [Note: transfer priority] in transport.h.
+  int64_t chunk_priority(size_t bucket_index, size_t chunk_index) const;
   void finalize_backward();
   void end_backward();
   void finish_bucket_locked(size_t bucket_index);

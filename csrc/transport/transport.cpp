@@ -24,6 +24,14 @@ const char* collective_name(Collective kind) {
   return "collective";
 }
 
+namespace {
+thread_local int64_t priority_ = 0;  // see [Note: transfer priority]
+}  // namespace
+
+PriorityScope::PriorityScope(int64_t priority) : previous_(priority_) { priority_ = priority; }
+PriorityScope::~PriorityScope() { priority_ = previous_; }
+int64_t current_priority() { return priority_; }
+
 int64_t Future::wait() const {
   TORCH_CHECK(done_, "transport Future: waited on a future that holds no collective");
   if (bounded_wait_) bounded_wait_();

@@ -111,6 +111,30 @@ class Future {
 // the handle the caller holds (in Python, with the GIL) keeps them until it
 // is dropped there, and the thread's own release is then only a count.
 
+// [Note: transfer priority]
+// A caller may say how urgently the collectives it launches are needed: the
+// reducer, under deferred finalize, launches each chunk inside a
+// PriorityScope whose value is chunk_priority (higher: needed sooner by the
+// next forward). The priority travels with the calling thread, not through
+// the collectives' signatures, so every transport and wrapper passes it on
+// untouched; a transport whose link can reorder queued transfers (the
+// simulated link, sim_net_transport.cpp) reads current_priority() at launch
+// and is the one place that decides the order on the link. The others
+// ignore it: gloo, NCCL, mpi4py and shared memory carry collectives in launch
+// order, the same on every rank. Default 0; equal priorities go in launch order.
+class PriorityScope {
+ public:
+  explicit PriorityScope(int64_t priority);
+  ~PriorityScope();
+  PriorityScope(const PriorityScope&) = delete;
+  PriorityScope& operator=(const PriorityScope&) = delete;
+
+ private:
+  int64_t previous_;
+};
+// The priority of the innermost PriorityScope on this thread (0 outside any).
+int64_t current_priority();
+
 class Transport {
  public:
   virtual ~Transport() = default;

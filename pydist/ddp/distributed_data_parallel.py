@@ -38,7 +38,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from pydist import _C
 from pydist.ddp import buckets as bucketing
-from pydist.ddp.overlap_optimizer import OverlappedOptimizer, UpdateRecord
+from pydist.ddp.overlap_optimizer import UPDATE_THREADS, OverlappedOptimizer, UpdateRecord
 from pydist.ddp.records import IterationRecord
 from pydist.ddp.state_sync import broadcast_tensors, verify_same_model
 from pydist.transport import ProcessGroupTransport, lost_hosts_context, open_shm
@@ -595,7 +595,7 @@ class DistributedDataParallel(_TorchDDP):
     # or wait_grads() first), and a forward reading a parameter of a module
     # whose own forward has not run yet.
 
-    def overlap_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def overlap_optimizer(self, opt: torch.optim.Optimizer, updates: str = "worker") -> None:
         """Apply ``opt`` bucket by bucket as each bucket's all-reduce lands.
 
         From now on ``loss.backward()`` returns when autograd is done,
@@ -605,7 +605,16 @@ class DistributedDataParallel(_TorchDDP):
         the bucket's all-reduce completes; the next forward's modules wait
         only for their own parameters. ``opt`` must be SGD, Adam or AdamW
         (element-wise: for-loop, foreach or fused). See
-        docs/overlap-optimizer.md and [Note: where overlap_optimizer waits]."""
+        docs/overlap-optimizer.md and [Note: where overlap_optimizer waits].
+
+        ``updates`` says which thread applies them: "worker" (a thread of
+        its own, each bucket as it lands, the next forward taking over the
+        buckets it needs first) or "forward" (the next forward's pre-hooks,
+        each bucket when a module first needs it: no second thread
+        contending for the GIL). See [Note: which thread updates]."""
+        if updates not in UPDATE_THREADS:
+            raise ValueError(f"overlap_optimizer: updates={updates!r}; expected one of "
+                             f"{', '.join(map(repr, UPDATE_THREADS))}")
         if opt is None:
             self._detach_overlap()
             return
@@ -616,7 +625,7 @@ class DistributedDataParallel(_TorchDDP):
                                "call model.overlap_optimizer(None) first to detach it")
         if self.reducer.state != "Idle":
             raise RuntimeError(f"overlap_optimizer: call it between iterations (the reducer is {self.reducer.state})")
-        self._overlap = OverlappedOptimizer(self, opt)
+        self._overlap = OverlappedOptimizer(self, opt, updates)
 
     def _detach_overlap(self) -> None:
         if self._overlap is not None:

@@ -16,9 +16,14 @@ The pipeline of one step (names in call order):
                        nothing waited for (reducer state Finishing)
     opt.step()         queue_updates: hyperparameters snapshotted, one job per
                        bucket queued in update_order
-    update worker      run_bucket(b): reducer.finish_bucket(b) (waits for b's
-                       all-reduce, writes its averaged grads to .grad), then the
-                       user's optimizer steps b's parameters only
+    update worker      run_jobs: the landed buckets first (the link decides the
+                       order, see [Note: the worker follows the link]),
+                       run_buckets: reducer.finish_bucket(b) for each (waits
+                       for b's all-reduce, writes its averaged grads to .grad),
+                       then one call of the user's optimizer on their
+                       parameters only ([Note: one update for the buckets at
+                       hand]); with updates="forward" there is no worker
+                       ([Note: which thread updates])
     next forward       each module's forward pre-hook: wait_for_buckets of the
                        parameters registered on it (running a bucket's job on
                        the main thread if the worker has not reached it)
@@ -42,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate", "wait_all_grads"]
+__all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate", "UPDATE_THREADS", "wait_all_grads"]
 
 # Optimizers whose update of a parameter reads only that parameter, its
 # gradient and its own state, so updating bucket by bucket gives the same
@@ -101,14 +106,42 @@ class UpdateRecord:
 
 
 def update_order(bucket_indices: list[list[int]]) -> list[int]:
-    """The one place deciding in which order the worker takes buckets.
+    """The order of urgency in which the worker considers buckets: the
+    reverse of launch order, the order the next forward needs them in (the
+    reducer's chunk_priority, which the link's queue follows: [Note: the
+    worker follows the link])."""
+    return list(range(len(bucket_indices)))[::-1]
 
-    Launch order: on a first-in-first-out link a bucket launched earlier lands
-    earlier, so the worker updates each bucket as soon as it can. The next
-    forward's front layers (the last buckets launched) are taken by the main
-    thread the moment a forward pre-hook needs them (run_bucket claims a
-    bucket once, whichever thread gets there first)."""
-    return list(range(len(bucket_indices)))
+
+# [Note: the worker follows the link]
+# Which bucket lands when is decided in one place, the link's queue (on the
+# simulated link, [Note: the link's queue] in csrc/transport/
+# sim_net_transport.cpp), from the priority the reducer states per chunk
+# (the later launched, the more urgent). The worker does not second-guess
+# it: of the buckets not yet claimed, it updates one that has landed (the
+# most urgent such), and when none has, waits for the most urgent one, which
+# on a prioritizing link is the next to land. On a first-in-first-out link
+# (gloo, shared memory) the buckets land in launch order and the worker
+# takes them as they land all the same. The next forward's pre-hooks claim
+# a bucket on the main thread when they need it before the worker got to it.
+
+
+# [Note: which thread updates]
+# updates="worker": a thread of its own applies each bucket's update as the
+# bucket lands, so the updates of buckets the next forward needs later run
+# while the forward computes, on a core the forward does not use. Both
+# threads run Python (the optimizer's for-loop, the modules' forward), so
+# they take turns on the GIL; with no spare core per rank (this 2-core
+# machine, 2 ranks) there is nothing to run in parallel, and the turns slow
+# both: beside a forward, the for-loop Adam's updates of the deep model of
+# bench_overlap.py took 9-36 ms in all against the 8 ms of one opt.step().
+# updates="forward": no worker; the next forward's pre-hooks apply each
+# bucket's update when a module first needs it (the end of that forward
+# applies the rest). The update then lies on the forward's path, as
+# opt.step() does in plain DDP, but on a link slower than the forward the
+# forward waits for the link anyway. Either way a bucket is claimed once
+# (run_bucket) and its update waits for its all-reduce.
+UPDATE_THREADS = ("worker", "forward")
 
 
 # Every OverlappedOptimizer alive (weakly), for wait_all_grads.
@@ -137,11 +170,12 @@ def wait_all_grads() -> None:
 class _Job:
     """One bucket's update in one step: claimed once, by the worker or the main thread."""
 
-    __slots__ = ("bucket", "groups", "claimed", "updated", "done", "error", "record")
+    __slots__ = ("bucket", "groups", "group_ids", "claimed", "updated", "done", "error", "record")
 
-    def __init__(self, bucket: int, groups: list[dict], record: BucketUpdate):
+    def __init__(self, bucket: int, groups: list[dict], group_ids: list[int], record: BucketUpdate):
         self.bucket = bucket
         self.groups = groups        # the bucket's view of param_groups (hyperparameters as at opt.step())
+        self.group_ids = group_ids  # the index in opt.param_groups of each of groups
         self.claimed = False        # guarded by OverlappedOptimizer._lock
         self.updated = False        # its update is applied (guarded by the lock: the deferred zero_grad reads it)
         self.done = threading.Event()
@@ -153,8 +187,9 @@ class OverlappedOptimizer:
     """Attaches ``opt`` to ``ddp`` (see the module docstring). Lives as long
     as the wrapper; ``ddp._overlap`` holds it."""
 
-    def __init__(self, ddp, opt: torch.optim.Optimizer):
+    def __init__(self, ddp, opt: torch.optim.Optimizer, updates: str = "worker"):
         _check_optimizer(opt)
+        self.updates = updates  # see [Note: which thread updates]
         self._ddp = weakref.ref(ddp)  # no cycle: the wrapper owns this object
         _LIVE.add(self)  # see wait_all_grads
         self.opt = opt
@@ -179,9 +214,9 @@ class OverlappedOptimizer:
         # Which buckets hold each parameter (by id), for the forward pre-hooks.
         self._bucket_of: dict[int, int] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._queue),
-                                        name="pydist-overlap-optimizer", daemon=True)
-        self._worker.start()
+        if updates == "worker":
+            threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._queue),
+                             name="pydist-overlap-optimizer", daemon=True).start()
         self._hooks = self._install(ddp)
         ddp.reducer.set_defer_finalize(True)
 
@@ -316,7 +351,7 @@ class OverlappedOptimizer:
             groups = [dict(hyper[g], params=ps) for g, ps in self._bucket_groups[b]]
             rec = BucketUpdate(b, sum(len(ps) for _, ps in self._bucket_groups[b]))
             record.buckets.append(rec)
-            jobs[b] = _Job(b, groups, rec)
+            jobs[b] = _Job(b, groups, [g for g, _ in self._bucket_groups[b]], rec)
         with self._lock:
             self._jobs = jobs
             self._pending_zero = None
@@ -324,32 +359,60 @@ class OverlappedOptimizer:
         if ddp._record_timing:
             self.records.append(record)
         self._record_start = record.start_ns
-        for b in jobs:
-            self._queue.put((b, jobs[b]))
+        if self.updates == "worker":
+            self._queue.put(list(jobs.values()))  # in update_order
 
     def run_bucket(self, job: _Job, thread: str) -> None:
         """Wait for the bucket's all-reduce, then update its parameters: once
         per job, by whichever thread claims it first."""
+        self.run_buckets([job], thread)
+
+    def run_buckets(self, jobs: list[_Job], thread: str) -> None:
+        """run_bucket for each of ``jobs`` not claimed yet, with one call of
+        the optimizer over all of their parameters: see [Note: one update
+        for the buckets at hand]."""
         with self._lock:
-            if job.claimed:
-                return
-            job.claimed = True
+            mine = [job for job in jobs if not job.claimed]
+            for job in mine:
+                job.claimed = True
+        if not mine:
+            return
         try:
             ddp = self._ddp()
-            ddp.reducer.finish_bucket(job.bucket)  # waits (GIL released) and writes grads back
-            job.record.landed_ms = job.record.update_start_ms = (time.monotonic_ns() - self._record_start) / 1e6
-            if job.groups:
-                self._step_on(job.groups)
-            job.record.updated_ms = (time.monotonic_ns() - self._record_start) / 1e6
-            job.record.thread = thread
+            for job in mine:
+                ddp.reducer.finish_bucket(job.bucket)  # waits (GIL released) and writes grads back
+                job.record.landed_ms = (time.monotonic_ns() - self._record_start) / 1e6
+            started = (time.monotonic_ns() - self._record_start) / 1e6
+            groups = _merged_groups(mine)
+            if groups:
+                self._step_on(groups)
+            updated = (time.monotonic_ns() - self._record_start) / 1e6
             with self._lock:
-                if self._pending_zero is not None:
-                    self._zero(job.groups, self._pending_zero)
-                job.updated = True
+                for job in mine:
+                    job.record.update_start_ms, job.record.updated_ms, job.record.thread = started, updated, thread
+                    if self._pending_zero is not None:
+                        self._zero(job.groups, self._pending_zero)
+                    job.updated = True
         except BaseException as error:  # noqa: BLE001 - re-raised on the main thread by wait_*
-            job.error = error
+            for job in mine:
+                job.error = error
         finally:
-            job.done.set()
+            for job in mine:
+                job.done.set()
+
+    def run_jobs(self, jobs: list[_Job]) -> None:
+        """The worker's share of one step: see [Note: the worker follows the link]."""
+        ddp = self._ddp()
+        if ddp is None:
+            return
+        pending = jobs
+        while True:
+            pending = [job for job in pending if not job.claimed]
+            if not pending:
+                return
+            landed = set(ddp.reducer.landed_buckets())
+            at_hand = [job for job in pending if job.bucket in landed]
+            self.run_buckets(at_hand or pending[:1], "worker")
 
     def _step_on(self, groups: list[dict]) -> None:
         """The user's optimizer on a view holding ``groups`` (its state dict
@@ -374,7 +437,13 @@ class OverlappedOptimizer:
             if job is None or job.done.is_set():
                 continue
             start = time.monotonic_ns()
-            self.run_bucket(job, "forward")
+            if self.updates == "forward" and not job.claimed:
+                # with it, the other buckets already landed: [Note: one update for the buckets at hand]
+                landed = set(self._ddp().reducer.landed_buckets())
+                self.run_buckets([job] + [j for j in jobs.values() if j.bucket in landed and not j.claimed],
+                                 "forward")
+            else:
+                self.run_bucket(job, "forward")
             job.done.wait()
             job.record.forward_wait_ms += (time.monotonic_ns() - start) / 1e6
             if job.error is not None:
@@ -431,6 +500,30 @@ class OverlappedOptimizer:
         """A backward ended and no opt.step() has queued its updates yet."""
         ddp = self._ddp()
         return self._state is not UpdateState.UPDATING and ddp is not None and ddp.reducer.state == "Finishing"
+
+
+# [Note: one update for the buckets at hand]
+# Every call of the optimizer's step has a fixed cost in Python (the
+# decorators, one pass over its param groups, the foreach grouping), paid
+# once per bucket when buckets are updated one by one: about 3 ms a step for
+# the 16 buckets of bench_overlap.py's deep model, against a link that at
+# 10 Gb/s leaves only a millisecond of communication to hide. So whoever
+# takes a bucket also takes every other bucket that has landed and nobody
+# claimed, and updates them all with one call. That is still exactly one
+# step over every parameter ([Note: why element-wise only]): which
+# parameters share a call changes no element's arithmetic.
+def _merged_groups(jobs: list[_Job]) -> list[dict]:
+    """The param groups of ``jobs`` merged by optimizer param group, in job order."""
+    if len(jobs) == 1:
+        return jobs[0].groups
+    merged: dict[int, dict] = {}
+    for job in jobs:
+        for g, group in zip(job.group_ids, job.groups):
+            if g in merged:
+                merged[g]["params"] = merged[g]["params"] + group["params"]
+            else:
+                merged[g] = dict(group)
+    return [merged[g] for g in sorted(merged)]
 
 
 def _gone():
@@ -491,7 +584,7 @@ def _worker_loop(owner_ref, jobs: queue.SimpleQueue) -> None:
         owner = owner_ref()
         if owner is None:
             return
-        owner.run_bucket(item[1], "worker")
+        owner.run_jobs(item)
         del owner
 
 
