@@ -303,13 +303,22 @@ def plot(result, path, latency):
     print(f"wrote {path}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
+def floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",")]
+
+
+def add_grid_arguments(parser, chunks: list[float], chunks_help: str) -> None:
+    """The grid's options (models, links, caps, chunk sizes), which
+    bench_predict.py measures too."""
     parser.add_argument("--models", type=lambda s: s.split(","), default=["wide", "deep"])
     parser.add_argument("--bandwidths", type=floats, default=[1.0, 10.0, 100.0], help="Gb/s")
     parser.add_argument("--caps", type=floats, default=[0.25, 1.0, 4.0, 25.0], help="bucket_cap_mb values")
-    parser.add_argument("--chunks", type=floats, default=[0.0, 1.0], help="allreduce_chunk_mb values (0: whole buckets)")
+    parser.add_argument("--chunks", type=floats, default=chunks, help=chunks_help)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_grid_arguments(parser, [0.0, 1.0], "allreduce_chunk_mb values (0: whole buckets)")
     parser.add_argument("--latency", default="20us")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per cell per round")

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_overlap import BATCH, build_model, in_features  # noqa: E402
+from bench_overlap import BATCH, add_grid_arguments, build_model, floats, in_features  # noqa: E402
 from pydist.spawn import run_ranks  # noqa: E402
 
 
@@ -158,12 +158,8 @@ def sweep(rank, world_size, args, directories):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
-    parser.add_argument("--models", type=lambda s: s.split(","), default=["wide", "deep"])
-    parser.add_argument("--bandwidths", type=floats, default=[1.0, 10.0, 100.0], help="Gb/s")
-    parser.add_argument("--caps", type=floats, default=[0.25, 1.0, 4.0, 25.0], help="bucket_cap_mb values")
-    parser.add_argument("--chunks", type=floats, default=[0.0],
-                        help="allreduce_chunk_mb values of the measured cells (0: whole buckets; the recording's is 0)")
+    add_grid_arguments(parser, [0.0],
+                       "allreduce_chunk_mb values of the measured cells (0: whole buckets; the recording's is 0)")
     parser.add_argument("--record", type=floats, default=[10.0, 1.0], metavar="GBPS,CAP",
                         help="the recorded run's link (Gb/s) and cap (MB)")
     parser.add_argument("--record-steps", type=int, default=12, help="steps of the recorded run (about)")
