@@ -156,6 +156,32 @@ def sweep(rank, world_size, args, directories):
     return times
 
 
+def _plot(rows: list, mae: float, path: str) -> None:
+    """Predicted against measured step, a marker per model, a colour per link; the diagonal is exact."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    markers, links = {"wide": "o", "deep": "s"}, sorted({r["bandwidth_gbps"] for r in rows})
+    for r in rows:
+        ax.scatter(r["measured_ms"], r["predicted_ms"], marker=markers.get(r["model"], "^"),
+                   color=f"C{links.index(r['bandwidth_gbps'])}", s=28)
+    top = 1.05 * max(max(r["measured_ms"], r["predicted_ms"]) for r in rows)
+    ax.plot([0, top], [0, top], color="gray", lw=0.8)
+    for i, bw in enumerate(links):
+        ax.scatter([], [], color=f"C{i}", label=f"{bw:g} Gb/s")
+    for model, marker in markers.items():
+        ax.scatter([], [], marker=marker, color="black", label=model)
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured step (ms)", ylabel="predicted step (ms)",
+           title=f"pydist.overlap predict, one recording per model\nmean absolute error {100 * mae:.1f}%")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid_arguments(parser, [0.0],
@@ -172,6 +198,7 @@ def main():
     parser.add_argument("--reuse", action="store_true",
                         help="with --keep DIR: predict from DIR's recordings and measurements, measure nothing")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", metavar="PNG", help="draw predicted against measured, one point per cell")
     args = parser.parse_args()
 
     from pydist.overlap import predict, trace
@@ -227,6 +254,8 @@ def main():
     result = {"cells": rows, "recommended": recommended, "mae": mae, "round_noise": noise, "seconds": time.perf_counter() - started,
               "record": {"bandwidth_gbps": args.record[0], "cap_mb": args.record[1]}, "rounds": args.rounds,
               "steps": args.steps}
+    if args.plot:
+        _plot(rows, mae, args.plot)
     if args.json:
         print(json.dumps(result, indent=1))
         return
