@@ -123,7 +123,7 @@ def _front_updated_first(front, updated_ns, queued_complete_ns) -> bool:
 # completions are in launch order: the plain DDP test), not in every step.
 @pytest.mark.timeout(90)
 def test_front_chunks_overtake_and_update_first():
-    for result in run_ranks(_priority_ranks, 2):
+    for result in run_ranks(_priority_ranks, 2, timeout=75):
         assert result["parity"] is None, result["parity"]
         steps = len(result["overtakes"])
         assert steps >= 4, result
@@ -138,7 +138,7 @@ def test_front_chunks_overtake_and_update_first():
 
 @pytest.mark.timeout(60)
 def test_plain_ddp_link_stays_first_in_first_out():
-    for result in run_ranks(_fifo_ranks, 2):
+    for result in run_ranks(_fifo_ranks, 2, timeout=45):
         assert result["stats"]["sim_net_overtakes"] == 0, result["stats"]
         for completions in result["completions_in_launch_order"]:
             # in launch order, up to a late wake of the link's timer thread on a loaded machine
@@ -177,7 +177,7 @@ def _link_queue_ranks(rank, world_size):
 
 @pytest.mark.timeout(60)
 def test_link_queue_priority_and_cap():
-    for result in run_ranks(_link_queue_ranks, 2):
+    for result in run_ranks(_link_queue_ranks, 2, timeout=45):
         assert "inflight_bytes must be" in result["errors"]["inflight_bytes"], result["errors"]
         assert "inflight_bytes must be" in result["errors"]["whole"], result["errors"]
         one_at_a_time, all_committed = result[0], result[10 * 25_000 * 4]
@@ -224,7 +224,7 @@ def _forward_updates_ranks(rank, world_size):
 
 @pytest.mark.timeout(60)
 def test_forward_thread_updates_bitwise():
-    for result in run_ranks(_forward_updates_ranks, 2):
+    for result in run_ranks(_forward_updates_ranks, 2, timeout=45):
         assert "updates='threads'" in result["refused"] and "'worker', 'forward'" in result["refused"], result
         assert result["parity"] is None, result["parity"]
         assert result["threads"] == ["forward"], result["threads"]
