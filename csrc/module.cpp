@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 
 #include "fsdp/output_gate.h"
+#include "fsdp/unit_ops.h"
 #include "reducer/reducer.h"
 #include "transport/comm_hook_transport.h"
 #include "transport/process_group_transport.h"
@@ -247,21 +248,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("finish_all", &Reducer::finish_all, nogil)
       .def_property_readonly("state", py::cpp_function(&Reducer::state, nogil));
 
-  // pydist/fsdp's gradient copies: csrc/reducer/bucket.h, [Note: packing a
-  // unit into a rank-major reduce-scatter input].
-  m.def("pack_rank_major", &pydist::pack_rank_major, py::arg("grads"), py::arg("numels"), py::arg("out"),
+  // pydist/fsdp's ops on a unit's tensors: csrc/fsdp/unit_ops.h ([Note:
+  // packing a unit into a rank-major reduce-scatter input]).
+  m.def("pack_rank_major", &pydist::fsdp::pack_rank_major, py::arg("grads"), py::arg("numels"), py::arg("out"),
         py::arg("world_size"), py::arg("column"), py::arg("shard_numel"), py::arg("scale") = 1.0, nogil,
         "Writes a unit's gradients (None: zeros), times scale, into its column of a rank-major reduce-scatter input");
-  m.def("pack_param_grads", &pydist::pack_param_grads, py::arg("params"), py::arg("numels"), py::arg("out"),
+  m.def("pack_param_grads", &pydist::fsdp::pack_param_grads, py::arg("params"), py::arg("numels"), py::arg("out"),
         py::arg("world_size"), py::arg("column"), py::arg("shard_numel"), py::arg("scale") = 1.0,
         "pack_rank_major of params' .grads (cast and made contiguous where needed), then clears them; returns which had one");
-  m.def("hand_out_grads", &pydist::hand_out_grads, py::arg("output"), py::arg("params"), py::arg("offsets"),
+  m.def("hand_out_grads", &pydist::fsdp::hand_out_grads, py::arg("output"), py::arg("params"), py::arg("offsets"),
         "Each params[i].grad becomes output[offsets[i]:][:numel] in its shape, or that is added to it");
-  m.def("point_storage_into", &pydist::point_storage_into, py::arg("buffer"), py::arg("slot"), py::arg("offset_bytes"),
+  m.def("point_storage_into", &pydist::fsdp::point_storage_into, py::arg("buffer"), py::arg("slot"), py::arg("offset_bytes"),
         "Points buffer's empty storage at slot's bytes from offset_bytes on, without owning them");
-  m.def("point_storages_into", &pydist::point_storages_into, py::arg("buffers"), py::arg("slot"),
+  m.def("point_storages_into", &pydist::fsdp::point_storages_into, py::arg("buffers"), py::arg("slot"),
         py::arg("offsets_bytes"), "point_storage_into of each buffer at its offset");
-  m.def("point_storage_at_nothing", &pydist::point_storage_at_nothing, py::arg("buffer"),
+  m.def("point_storage_at_nothing", &pydist::fsdp::point_storage_at_nothing, py::arg("buffer"),
         "Leaves buffer's storage with no memory (frees it if it owned it); returns the address it held");
 
   // pydist/fsdp's hooks on unit outputs: csrc/fsdp/output_gate.h.

@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "reducer/bucket.h"
+#include "fsdp/unit_ops.h"
 
 namespace pydist {
 namespace fsdp {

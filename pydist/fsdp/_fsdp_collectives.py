@@ -122,7 +122,7 @@ class UnshardResult(NamedTuple):
 #                    gradients straight into its column of every row (one pass
 #                    over each gradient byte, 1/N folded in: see [Note: packing
 #                    a unit into a rank-major reduce-scatter input] in
-#                    csrc/reducer/bucket.h); this rank's output is then
+#                    csrc/fsdp/unit_ops.h); this rank's output is then
 #                    [s_a s_b ...], the units' reduced shards end to end, each
 #                    unit's a view.
 # Every element goes through the same arithmetic as unbatched (the sum of
@@ -198,7 +198,7 @@ def pack_unit_grads(transport, grads: Sequence[torch.Tensor | None], numels: Seq
     transport does not apply, into its column of the rank-major ``out``. One
     C++ pass (``pydist._C.pack_rank_major``); ``reference_pack_unit_grads``
     is its oracle. See [Note: packing a unit into a rank-major reduce-scatter
-    input] in csrc/reducer/bucket.h."""
+    input] in csrc/fsdp/unit_ops.h."""
     _C.pack_rank_major(grads, numels, out, world_size, column, shard_numel, copy_scale(transport))
 
 

@@ -86,7 +86,7 @@ device's:
 Communication overlaps compute where the group runs it on its own stream
 (NCCL); the packing copies and casts run on the compute stream. Packing a
 unit's gradients is one ATen op per cut on the device (``pack_rank_major``
-in csrc/reducer/bucket.cpp), bitwise the CPU pack.
+in csrc/fsdp/unit_ops.cpp), bitwise the CPU pack.
 
 [Note: mixed precision]
 With a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the
