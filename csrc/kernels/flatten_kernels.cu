@@ -8,17 +8,26 @@
 #include <cuda_fp16.h>
 
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 namespace pydist::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-// Each block owns between these many bytes of the flat buffer: enough blocks
-// to fill every SM twice over, none so small that the segment search dominates.
-constexpr int64_t kMinBlockBytes = 4 << 10;
-constexpr int64_t kMaxBlockBytes = 64 << 10;
-// Vectors each thread keeps in flight per loop trip (memory-level parallelism).
+constexpr int kWarpsPerBlock = kThreads / 32;
+// 16-byte vectors each thread keeps in flight per loop trip: a warp moves
+// 2 KiB per trip.
 constexpr int kUnroll = 4;
+// The smallest range a warp owns (one trip), and kWarpChunks' fixed range.
+constexpr int64_t kMinWarpRangeBytes = 32 * kUnroll * 16;
+constexpr int64_t kChunkBytes = 16 << 10;
+// Blocks per SM the copy kernel's registers must allow (64 registers a
+// thread): 32 warps, 64 KiB in flight per SM.
+constexpr int kMinBlocksPerSm = 4;
+// Pieces this long or longer take the 16-byte path of [Note: load width by
+// alignment]; shorter ones the narrow words (their edges would dominate).
+constexpr int64_t kWidePieceBytes = 256;
 
 // --- element types and their opmath -------------------------------------------
 
@@ -42,7 +51,19 @@ template <> __host__ __device__ inline double from_opmath<double>(double x) { re
 __device__ inline float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ inline double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
-// --- the piece copies, run by a whole block -------------------------------------
+// --- who copies a range ----------------------------------------------------------
+
+// The warps that share one range of the flat buffer: `warps` warps (1, or a
+// whole block for kBlockRanges), this thread lane `lane` of warp `warp`.
+struct Team {
+  int lane;
+  int warp;
+  int warps;
+  __device__ int rank() const { return warp * 32 + lane; }
+  __device__ int size() const { return warps * 32; }
+};
+
+// --- the narrow copy: the widest word source and destination agree on ------------
 
 // Bytes from the start of `p` to its next `align`-aligned address.
 __device__ inline int64_t head_bytes(const void* p, int64_t align, int64_t n) {
@@ -50,40 +71,178 @@ __device__ inline int64_t head_bytes(const void* p, int64_t align, int64_t n) {
   return head < n ? head : n;
 }
 
-// Copies n bytes with W-byte words; dst and src agree modulo sizeof(W).
+// Copies n bytes with W-byte words; dst and src agree modulo sizeof(W). One
+// word per lane per trip: this copy moves only pieces under 256 bytes and
+// the edges of longer ones (and everything for kWarpNarrow), so it is kept
+// small rather than fast; it shares the kernel's registers with the wide
+// loops.
 template <typename W>
-__device__ void copy_words(char* __restrict__ dst, const char* __restrict__ src, int64_t n) {
+__device__ void copy_words(char* __restrict__ dst, const char* __restrict__ src, int64_t n, const Team& t) {
+  const int64_t rank = t.rank(), size = t.size();
   const int64_t head = head_bytes(dst, sizeof(W), n);
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+  for (int64_t i = rank; i < head; i += size) dst[i] = src[i];
   const int64_t words = (n - head) / static_cast<int64_t>(sizeof(W));
   W* __restrict__ d = reinterpret_cast<W*>(dst + head);
   const W* __restrict__ s = reinterpret_cast<const W*>(src + head);
-  const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
-  for (int64_t base = threadIdx.x; base < words; base += step) {
-    W v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      int64_t i = base + u * static_cast<int64_t>(blockDim.x);
-      if (i < words) v[u] = s[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      int64_t i = base + u * static_cast<int64_t>(blockDim.x);
-      if (i < words) d[i] = v[u];
-    }
-  }
+  for (int64_t i = rank; i < words; i += size) d[i] = s[i];
   const int64_t done = head + words * static_cast<int64_t>(sizeof(W));
-  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  for (int64_t i = done + rank; i < n; i += size) dst[i] = src[i];
 }
 
-// See [Note: load width by alignment].
-__device__ void copy_piece(char* dst, const char* src, int64_t n) {
+__device__ void copy_narrow(char* dst, const char* src, int64_t n, const Team& t) {
+  if (n <= 0) return;
   const uintptr_t skew = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
-  if ((skew & 15) == 0) return copy_words<uint4>(dst, src, n);
-  if ((skew & 7) == 0) return copy_words<uint2>(dst, src, n);
-  if ((skew & 3) == 0) return copy_words<uint32_t>(dst, src, n);
-  if ((skew & 1) == 0) return copy_words<uint16_t>(dst, src, n);
-  copy_words<uint8_t>(dst, src, n);
+  if ((skew & 15) == 0) return copy_words<uint4>(dst, src, n, t);
+  if ((skew & 7) == 0) return copy_words<uint2>(dst, src, n, t);
+  if ((skew & 3) == 0) return copy_words<uint32_t>(dst, src, n, t);
+  if ((skew & 1) == 0) return copy_words<uint16_t>(dst, src, n, t);
+  copy_words<uint8_t>(dst, src, n, t);
+}
+
+// --- the wide copy: aligned 16-byte loads and stores at any skew ---------------------
+// See [Note: load width by alignment]. The plan, the trip's steps and the
+// shift are __host__ __device__ so emulate_piece_copy runs them on the CPU.
+
+// How a piece of n bytes from src to dst splits: bytes [0, head) and
+// [head + 16 * vectors, n) by the narrow copy; between them `vectors`
+// destination vectors, dst + head 16-byte aligned. Destination vector j holds
+// source bytes [src + head + 16 j, +16), which start `shift` bytes into the
+// aligned source vector j of `aligned` = src + head - shift; with a shift it
+// also needs vector j + 1, so `vectors` stops where vector `vectors` (the
+// last one read) still lies inside the piece, and `head` grows by 16 where
+// aligned vector 0 would begin before it.
+struct PiecePlan {
+  int64_t head;
+  int64_t vectors;
+  int shift;
+};
+
+__host__ __device__ inline PiecePlan plan_piece(uintptr_t dst, uintptr_t src, int64_t n) {
+  if (n < kWidePieceBytes) return {n, 0, 0};
+  int64_t head = static_cast<int64_t>((16 - (dst & 15)) & 15);
+  const int shift = static_cast<int>((src + head) & 15);
+  if (shift == 0) return {head, (n - head) / 16, 0};
+  if (((src + head) & ~uintptr_t{15}) < src) head += 16;
+  const uintptr_t aligned = (src + head) & ~uintptr_t{15};
+  const int64_t by_dst = (n - head) / 16;
+  const int64_t by_src = static_cast<int64_t>((src + n - aligned) / 16) - 1;
+  return {head, by_dst < by_src ? by_dst : by_src, shift};
+}
+
+// The 4-byte word at byte `sh` (0, 8, 16, 24 bits) of the pair hi:lo.
+__host__ __device__ inline uint32_t funnel(uint32_t lo, uint32_t hi, int sh) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(lo, hi, sh);
+#else
+  return static_cast<uint32_t>(((static_cast<uint64_t>(hi) << 32) | lo) >> sh);
+#endif
+}
+
+// Bytes [4 Q + sh / 8, +16) of the 32 bytes a then b (little-endian).
+template <int Q>
+__host__ __device__ inline uint4 shifted(const uint4& a, const uint4& b, int sh) {
+  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  return make_uint4(funnel(w[Q], w[Q + 1], sh), funnel(w[Q + 1], w[Q + 2], sh), funnel(w[Q + 2], w[Q + 3], sh),
+                    funnel(w[Q + 3], w[Q + 4], sh));
+}
+
+// One warp's trip over destination vectors [base, base + 32 kUnroll): lane
+// `lane` owns vectors base + 32 u + lane. It loads its aligned source
+// vectors (those up to `vectors`, the last one read), lane 0 also vector
+// base + 32 kUnroll; then for each u the lane takes vector j + 1 from the
+// next lane (lane 31 from lane 0, which sends its vector of group u + 1, or
+// `extra`), and stores the shifted pair. `s` points at the lane's first
+// source vector (base + lane), `left` = vectors - base - lane: vector
+// base + 32 u + lane is read when 32 u <= left, stored when 32 u < left.
+struct ShiftTrip {
+  uint4 v[kUnroll];
+  uint4 extra;
+};
+
+// A source vector: through the read-only data path on the device (the
+// source is never written during a copy).
+__host__ __device__ inline uint4 load_vector(const uint4* p) {
+#ifdef __CUDA_ARCH__
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+__host__ __device__ inline void load_trip(ShiftTrip& t, const uint4* s, int64_t left, int lane) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) t.v[u] = 32 * u <= left ? load_vector(s + 32 * u) : make_uint4(0, 0, 0, 0);
+  t.extra = lane == 0 && 32 * kUnroll <= left ? load_vector(s + 32 * kUnroll) : make_uint4(0, 0, 0, 0);
+}
+
+// What lane `lane` sends its left neighbour for group u.
+__host__ __device__ inline uint4 trip_send(const ShiftTrip& t, int u, int lane) {
+  if (lane != 0) return t.v[u];
+  return u + 1 < kUnroll ? t.v[u + 1 < kUnroll ? u + 1 : u] : t.extra;
+}
+
+__device__ inline uint4 shfl_vec(const uint4& v, int from) {
+  return make_uint4(__shfl_sync(0xffffffffu, v.x, from), __shfl_sync(0xffffffffu, v.y, from),
+                    __shfl_sync(0xffffffffu, v.z, from), __shfl_sync(0xffffffffu, v.w, from));
+}
+
+template <int Q>
+__device__ void copy_vectors_shifted(uint4* __restrict__ d, const uint4* __restrict__ s, int sh, int64_t vectors,
+                                     const Team& t) {
+  const int64_t trip = static_cast<int64_t>(t.warps) * 32 * kUnroll;
+  const int from = (t.lane + 1) & 31;
+  // `base` is the same on every lane: the shuffles need the whole warp.
+  for (int64_t base = static_cast<int64_t>(t.warp) * 32 * kUnroll; base < vectors; base += trip) {
+    const int64_t left = vectors - base - t.lane;
+    ShiftTrip trip_values;
+    load_trip(trip_values, s + base + t.lane, left, t.lane);
+    uint4* out = d + base + t.lane;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint4 next = shfl_vec(trip_send(trip_values, u, t.lane), from);
+      if (32 * u < left) out[32 * u] = shifted<Q>(trip_values.v[u], next, sh);
+    }
+  }
+}
+
+__device__ void copy_vectors(uint4* __restrict__ d, const uint4* __restrict__ s, int64_t vectors, const Team& t) {
+  const int64_t trip = static_cast<int64_t>(t.warps) * 32 * kUnroll;
+  for (int64_t base = static_cast<int64_t>(t.warp) * 32 * kUnroll + t.lane; base < vectors; base += trip) {
+    const int64_t left = vectors - base;
+    const uint4* in = s + base;
+    uint4* out = d + base;
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (32 * u < left) v[u] = load_vector(in + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (32 * u < left) out[32 * u] = v[u];
+  }
+}
+
+// Copies one piece, run by the whole team. `wide` false: the narrow copy
+// alone (kWarpNarrow).
+__device__ void copy_piece(char* dst, const char* src, int64_t n, const Team& t, bool wide) {
+  const PiecePlan p = wide ? plan_piece(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), n)
+                           : PiecePlan{n, 0, 0};
+  copy_narrow(dst, src, p.head, t);
+  if (p.vectors > 0) {
+    uint4* d = reinterpret_cast<uint4*>(dst + p.head);
+    const uint4* s = reinterpret_cast<const uint4*>(src + p.head - p.shift);
+    const int sh = (p.shift & 3) * 8;
+    switch (p.shift >> 2) {
+      case 0:
+        if (p.shift == 0) copy_vectors(d, s, p.vectors, t);
+        else copy_vectors_shifted<0>(d, s, sh, p.vectors, t);
+        break;
+      case 1: copy_vectors_shifted<1>(d, s, sh, p.vectors, t); break;
+      case 2: copy_vectors_shifted<2>(d, s, sh, p.vectors, t); break;
+      default: copy_vectors_shifted<3>(d, s, sh, p.vectors, t); break;
+    }
+  }
+  const int64_t done = p.head + 16 * p.vectors;
+  copy_narrow(dst + done, src + done, n - done, t);
 }
 
 // 16 bytes of T, loaded and stored as one vector.
@@ -97,113 +256,214 @@ struct alignas(16) Pack {
 // dst and src agree modulo 16.
 template <typename T>
 __device__ void scale_piece(T* __restrict__ dst, const T* __restrict__ src, int64_t n,
-                            typename Opmath<T>::type scale) {
+                            typename Opmath<T>::type scale, const Team& t) {
   using P = Pack<T>;
+  const int64_t rank = t.rank(), size = t.size();
   const uintptr_t skew = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
   int64_t head = n;
   if ((skew & 15) == 0) head = head_bytes(dst, 16, n * sizeof(T)) / sizeof(T);
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = from_opmath<T>(mul_rn(to_opmath(src[i]), scale));
+  for (int64_t i = rank; i < head; i += size) dst[i] = from_opmath<T>(mul_rn(to_opmath(src[i]), scale));
   const int64_t packs = (n - head) / P::kSize;
   P* __restrict__ d = reinterpret_cast<P*>(dst + head);
   const P* __restrict__ s = reinterpret_cast<const P*>(src + head);
-  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+  for (int64_t i = rank; i < packs; i += size) {
     P p = s[i];
 #pragma unroll
     for (int k = 0; k < P::kSize; ++k) p.v[k] = from_opmath<T>(mul_rn(to_opmath(p.v[k]), scale));
     d[i] = p;
   }
-  for (int64_t i = head + packs * P::kSize + threadIdx.x; i < n; i += blockDim.x)
+  for (int64_t i = head + packs * P::kSize + rank; i < n; i += size)
     dst[i] = from_opmath<T>(mul_rn(to_opmath(src[i]), scale));
 }
 
-// --- the kernel ----------------------------------------------------------------
+// --- the kernels ------------------------------------------------------------------
 
 // Index of the first segment that ends after byte `pos` of the flat buffer
-// (segment ends are non-decreasing, so this is a binary search).
-__device__ int64_t first_segment_after(const Segment* segs, int64_t n, int64_t pos) {
+// (segment ends are non-decreasing), found by the whole warp: each step the
+// 32 lanes test 32 evenly spaced probes and the interval shrinks 32-fold.
+__device__ int64_t warp_first_segment_after(const Segment* segs, int64_t n, int64_t pos, int lane) {
+  // The answer lies in [lo, hi]: segments before lo end at or before pos,
+  // segment hi (if hi < n) ends after it.
   int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    int64_t mid = (lo + hi) / 2;
-    if (segs[mid].offset + segs[mid].bytes > pos) hi = mid; else lo = mid + 1;
+  while (hi - lo > 32) {
+    const int64_t step = (hi - lo + 31) / 32;
+    const int64_t probe = lo + (lane + 1) * step - 1;
+    const bool before = probe < hi && segs[probe].offset + segs[probe].bytes <= pos;
+    const int below = __popc(__ballot_sync(0xffffffffu, before));  // probes 0 .. below-1 end at or before pos
+    const int64_t first_after = lo + (below + 1) * step - 1;
+    if (first_after < hi) hi = first_after;
+    lo += below * step;
   }
-  return lo;
+  const int64_t k = lo + lane;
+  const bool before = k < hi && segs[k].offset + segs[k].bytes <= pos;
+  return lo + __popc(__ballot_sync(0xffffffffu, before));
+}
+
+// Calls piece(tensor, first byte in the tensor, first flat byte, length) for
+// the part of every segment inside flat bytes [begin, end), run by one whole
+// warp. Segments are read 32 at a time, one per lane, into the warp's slab
+// of shared memory (`slab`, 32 entries), then read back one by one: kept in
+// registers instead, they would crowd out the copy's loads.
+template <typename Piece>
+__device__ void for_range_pieces(const Segment* segs, int64_t n_segs, int64_t begin, int64_t end, int lane,
+                                 Segment* slab, Piece piece) {
+  for (int64_t k = warp_first_segment_after(segs, n_segs, begin, lane); k < n_segs; k += 32) {
+    __syncwarp();  // the warp is done with the slab's previous 32
+    if (k + lane < n_segs) slab[lane] = segs[k + lane];
+    __syncwarp();
+    const int count = n_segs - k < 32 ? static_cast<int>(n_segs - k) : 32;
+    for (int i = 0; i < count; ++i) {
+      const Segment seg = slab[i];
+      if (seg.offset >= end) return;
+      const int64_t lo = begin > seg.offset ? begin : seg.offset;
+      const int64_t hi = end < seg.offset + seg.bytes ? end : seg.offset + seg.bytes;
+      if (lo < hi) piece(seg.tensor, lo - seg.offset, lo, hi - lo);
+    }
+  }
+}
+
+// The launch shape of one call: range r of the flat buffer is bytes
+// [r * range_bytes, (r + 1) * range_bytes), owned by warps
+// [r * warps_per_range, (r + 1) * warps_per_range) of the grid.
+struct Grid {
+  int64_t range_bytes;
+  unsigned blocks;
+  int warps_per_range;
+  bool wide;
+};
+
+// This thread's team and range; false when its warp has no range (the last
+// block's spare warps).
+__device__ inline bool my_range(const Grid& g, int64_t flat_bytes, Team* team, int64_t* begin, int64_t* end) {
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  *team = Team{static_cast<int>(threadIdx.x & 31), static_cast<int>(warp % g.warps_per_range), g.warps_per_range};
+  *begin = (warp / g.warps_per_range) * g.range_bytes;
+  *end = *begin + g.range_bytes < flat_bytes ? *begin + g.range_bytes : flat_bytes;
+  return *begin < flat_bytes;
 }
 
 enum class Direction { kToFlat, kFromFlat };
 
-// Calls piece(segment, first byte in segment, first flat byte, length) for the
-// part of every segment in this block's range of the flat buffer.
-template <typename Piece>
-__device__ void for_block_pieces(const Segment* segs, int64_t n_segs, int64_t flat_bytes,
-                                 int64_t block_bytes, Piece piece) {
-  __shared__ int64_t first;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * block_bytes;
-  const int64_t end = begin + block_bytes < flat_bytes ? begin + block_bytes : flat_bytes;
-  if (threadIdx.x == 0) first = first_segment_after(segs, n_segs, begin);
-  __syncthreads();
-  for (int64_t k = first; k < n_segs && segs[k].offset < end; ++k) {
-    const Segment seg = segs[k];
-    const int64_t lo = begin > seg.offset ? begin : seg.offset;
-    const int64_t hi = end < seg.offset + seg.bytes ? end : seg.offset + seg.bytes;
-    if (lo < hi) piece(seg, lo - seg.offset, lo, hi - lo);
-  }
-}
-
 template <Direction kDir>
-__global__ void __launch_bounds__(kThreads)
-copy_kernel(const Segment* segs, int64_t n_segs, char* flat, int64_t flat_bytes, int64_t block_bytes) {
-  for_block_pieces(segs, n_segs, flat_bytes, block_bytes,
-                   [&](const Segment& seg, int64_t at, int64_t flat_at, int64_t n) {
-                     if (kDir == Direction::kToFlat) copy_piece(flat + flat_at, seg.tensor + at, n);
-                     else copy_piece(seg.tensor + at, flat + flat_at, n);
-                   });
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+copy_kernel(const Segment* segs, int64_t n_segs, char* flat, int64_t flat_bytes, Grid grid) {
+  Team team;
+  int64_t begin, end;
+  if (!my_range(grid, flat_bytes, &team, &begin, &end)) return;
+  __shared__ Segment slabs[kWarpsPerBlock][32];
+  for_range_pieces(segs, n_segs, begin, end, team.lane, slabs[threadIdx.x >> 5], [&](char* tensor, int64_t at, int64_t flat_at, int64_t n) {
+    if (kDir == Direction::kToFlat) copy_piece(flat + flat_at, tensor + at, n, team, grid.wide);
+    else copy_piece(tensor + at, flat + flat_at, n, team, grid.wide);
+  });
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-scale_kernel(const Segment* segs, int64_t n_segs, const char* flat, int64_t flat_bytes,
-             int64_t block_bytes, typename Opmath<T>::type scale) {
-  for_block_pieces(segs, n_segs, flat_bytes, block_bytes,
-                   [&](const Segment& seg, int64_t at, int64_t flat_at, int64_t n) {
-                     scale_piece(reinterpret_cast<T*>(seg.tensor + at),
-                                 reinterpret_cast<const T*>(flat + flat_at), n / static_cast<int64_t>(sizeof(T)), scale);
-                   });
+scale_kernel(const Segment* segs, int64_t n_segs, const char* flat, int64_t flat_bytes, Grid grid,
+             typename Opmath<T>::type scale) {
+  Team team;
+  int64_t begin, end;
+  if (!my_range(grid, flat_bytes, &team, &begin, &end)) return;
+  __shared__ Segment slabs[kWarpsPerBlock][32];
+  for_range_pieces(segs, n_segs, begin, end, team.lane, slabs[threadIdx.x >> 5], [&](char* tensor, int64_t at, int64_t flat_at, int64_t n) {
+    scale_piece(reinterpret_cast<T*>(tensor + at), reinterpret_cast<const T*>(flat + flat_at),
+                n / static_cast<int64_t>(sizeof(T)), scale, team);
+  });
 }
 
 // --- launchers -------------------------------------------------------------------
 
-struct Grid {
-  int64_t block_bytes;
-  unsigned blocks;
-};
-
-// Splits flat_bytes into per-block ranges: about two blocks per SM for small
-// buffers, capped ranges (many blocks) for large ones; multiples of 16 bytes.
-cudaError_t plan_grid(int64_t flat_bytes, Grid* grid) {
-  int device = 0, sms = 0;
+// Blocks of `kernel` the current device holds resident at once (SMs times
+// blocks per SM), asked once per device and kernel.
+cudaError_t resident_blocks(const void* kernel, int* blocks) {
+  struct Entry {
+    const void* kernel;
+    int device;
+    int blocks;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> cache;
+  int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Entry& e : cache)
+      if (e.kernel == kernel && e.device == device) return (*blocks = e.blocks), cudaSuccess;
+  }
+  int sms = 0, per_sm = 0;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  int64_t bytes = flat_bytes / (2 * static_cast<int64_t>(sms > 0 ? sms : 1));
-  bytes = bytes < kMinBlockBytes ? kMinBlockBytes : (bytes > kMaxBlockBytes ? kMaxBlockBytes : bytes);
-  bytes = (bytes + 15) / 16 * 16;
-  const int64_t blocks = (flat_bytes + bytes - 1) / bytes;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  *grid = {bytes, static_cast<unsigned>(blocks)};
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  if (err != cudaSuccess) return err;
+  *blocks = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.push_back({kernel, device, *blocks});
   return cudaSuccess;
+}
+
+// The grid of `variant` for flat_bytes (> 0); ranges are multiples of 16
+// bytes, so no range splits an element of the scaled copy.
+cudaError_t plan_grid(int64_t flat_bytes, FlattenVariant variant, const void* kernel, Grid* grid) {
+  const int per_range = variant == FlattenVariant::kBlockRanges ? kWarpsPerBlock : 1;
+  int64_t range = kChunkBytes;
+  if (variant != FlattenVariant::kWarpChunks) {
+    int blocks = 0;
+    cudaError_t err = resident_blocks(kernel, &blocks);
+    if (err != cudaSuccess) return err;
+    const int64_t ranges = static_cast<int64_t>(blocks) * kWarpsPerBlock / per_range;
+    range = (flat_bytes + ranges - 1) / ranges;
+    if (range < per_range * kMinWarpRangeBytes) range = per_range * kMinWarpRangeBytes;
+  }
+  range = (range + 15) / 16 * 16;
+  const int64_t warps = (flat_bytes + range - 1) / range * per_range;
+  const int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  *grid = {range, static_cast<unsigned>(blocks), per_range, variant != FlattenVariant::kWarpNarrow};
+  return cudaSuccess;
+}
+
+bool valid_variant(FlattenVariant variant) {
+  return static_cast<int>(variant) >= 0 && static_cast<int>(variant) < kFlattenVariants;
 }
 
 // Validates the arguments and stages the table on the device; on success the
 // caller launches. Returns cudaErrorInvalidValue for bad sizes or pointers.
 cudaError_t stage(const Segment* segments, int64_t n_segments, const void* flat, int64_t flat_bytes,
-                  void* device_table, cudaStream_t stream, Grid* grid) {
+                  void* device_table, cudaStream_t stream) {
   if (n_segments < 0 || flat_bytes < 0) return cudaErrorInvalidValue;
   if (n_segments > 0 && (segments == nullptr || device_table == nullptr)) return cudaErrorInvalidValue;
   if (flat_bytes > 0 && flat == nullptr) return cudaErrorInvalidValue;
-  cudaError_t err = plan_grid(flat_bytes, grid);
-  if (err != cudaSuccess) return err;
   return cudaMemcpyAsync(device_table, segments, segment_table_bytes(n_segments), cudaMemcpyHostToDevice, stream);
+}
+
+template <Direction kDir>
+cudaError_t launch_copy(int64_t n_segments, const void* flat, int64_t flat_bytes, const void* device_table,
+                        FlattenVariant variant, cudaStream_t stream) {
+  if (n_segments < 0 || flat_bytes < 0 || !valid_variant(variant)) return cudaErrorInvalidValue;
+  if (n_segments == 0 || flat_bytes == 0) return cudaSuccess;
+  if (flat == nullptr || device_table == nullptr) return cudaErrorInvalidValue;
+  const void* kernel = reinterpret_cast<const void*>(&copy_kernel<kDir>);
+  Grid grid;
+  cudaError_t err = plan_grid(flat_bytes, variant, kernel, &grid);
+  if (err != cudaSuccess) return err;
+  // The kernel only reads `flat` when copying from it; one kernel serves both.
+  copy_kernel<kDir><<<grid.blocks, kThreads, 0, stream>>>(static_cast<const Segment*>(device_table), n_segments,
+                                                          const_cast<char*>(static_cast<const char*>(flat)),
+                                                          flat_bytes, grid);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_scale(const Segment* table, int64_t n_segments, const char* flat, int64_t flat_bytes,
+                         double scale, cudaStream_t stream) {
+  Grid grid;
+  cudaError_t err =
+      plan_grid(flat_bytes, FlattenVariant::kWarpRanges, reinterpret_cast<const void*>(&scale_kernel<T>), &grid);
+  if (err != cudaSuccess) return err;
+  scale_kernel<T><<<grid.blocks, kThreads, 0, stream>>>(table, n_segments, flat, flat_bytes, grid,
+                                                        static_cast<typename Opmath<T>::type>(scale));
+  return cudaGetLastError();
 }
 
 template <typename T>
@@ -215,6 +475,23 @@ void reference_scale(const Segment* segments, int64_t n_segments, const char* fl
     const T* src = reinterpret_cast<const T*>(flat + segments[k].offset);
     for (int64_t i = 0; i < segments[k].bytes / static_cast<int64_t>(sizeof(T)); ++i)
       dst[i] = from_opmath<T>(to_opmath(src[i]) * s);
+  }
+}
+
+template <int Q>
+void emulate_shifted(uint4* d, const uint4* s, int sh, int64_t vectors, int warps) {
+  const int64_t trip = static_cast<int64_t>(warps) * 32 * kUnroll;
+  for (int w = 0; w < warps; ++w) {
+    for (int64_t base = static_cast<int64_t>(w) * 32 * kUnroll; base < vectors; base += trip) {
+      ShiftTrip lanes[32];
+      for (int lane = 0; lane < 32; ++lane) load_trip(lanes[lane], s + base + lane, vectors - base - lane, lane);
+      for (int u = 0; u < kUnroll; ++u)
+        for (int lane = 0; lane < 32; ++lane) {
+          const int from = (lane + 1) & 31;
+          const uint4 next = trip_send(lanes[from], u, from);
+          if (32 * u < vectors - base - lane) d[base + lane + 32 * u] = shifted<Q>(lanes[lane].v[u], next, sh);
+        }
+    }
   }
 }
 
@@ -234,28 +511,40 @@ int scaled_type_size(ScaledType type) {
   return 0;
 }
 
+const char* flatten_variant_name(FlattenVariant variant) {
+  switch (variant) {
+    case FlattenVariant::kWarpRanges: return "warp-ranges";
+    case FlattenVariant::kBlockRanges: return "block-ranges";
+    case FlattenVariant::kWarpChunks: return "warp-chunks";
+    case FlattenVariant::kWarpNarrow: return "warp-narrow";
+  }
+  return "?";
+}
+
+cudaError_t launch_flatten_staged(int64_t n_segments, void* flat, int64_t flat_bytes, const void* device_table,
+                                  FlattenVariant variant, cudaStream_t stream) {
+  return launch_copy<Direction::kToFlat>(n_segments, flat, flat_bytes, device_table, variant, stream);
+}
+
+cudaError_t launch_unflatten_staged(int64_t n_segments, const void* flat, int64_t flat_bytes,
+                                    const void* device_table, FlattenVariant variant, cudaStream_t stream) {
+  return launch_copy<Direction::kFromFlat>(n_segments, flat, flat_bytes, device_table, variant, stream);
+}
+
 cudaError_t launch_flatten(const Segment* segments, int64_t n_segments, void* flat, int64_t flat_bytes,
                            void* device_table, cudaStream_t stream) {
   if (n_segments == 0 || flat_bytes == 0) return cudaSuccess;
-  Grid grid;
-  cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream, &grid);
+  cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream);
   if (err != cudaSuccess) return err;
-  copy_kernel<Direction::kToFlat><<<grid.blocks, kThreads, 0, stream>>>(
-      static_cast<const Segment*>(device_table), n_segments, static_cast<char*>(flat), flat_bytes, grid.block_bytes);
-  return cudaGetLastError();
+  return launch_flatten_staged(n_segments, flat, flat_bytes, device_table, FlattenVariant::kWarpRanges, stream);
 }
 
 cudaError_t launch_unflatten(const Segment* segments, int64_t n_segments, const void* flat, int64_t flat_bytes,
                              void* device_table, cudaStream_t stream) {
   if (n_segments == 0 || flat_bytes == 0) return cudaSuccess;
-  Grid grid;
-  cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream, &grid);
+  cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream);
   if (err != cudaSuccess) return err;
-  // The kernel only reads `flat` in this direction; one kernel serves both.
-  copy_kernel<Direction::kFromFlat><<<grid.blocks, kThreads, 0, stream>>>(
-      static_cast<const Segment*>(device_table), n_segments, const_cast<char*>(static_cast<const char*>(flat)),
-      flat_bytes, grid.block_bytes);
-  return cudaGetLastError();
+  return launch_unflatten_staged(n_segments, flat, flat_bytes, device_table, FlattenVariant::kWarpRanges, stream);
 }
 
 cudaError_t launch_unflatten_scaled(const Segment* segments, int64_t n_segments, const void* flat,
@@ -266,32 +555,50 @@ cudaError_t launch_unflatten_scaled(const Segment* segments, int64_t n_segments,
   for (int64_t k = 0; k < n_segments; ++k)
     if (segments[k].offset % size != 0 || segments[k].bytes % size != 0) return cudaErrorInvalidValue;
   if (n_segments == 0 || flat_bytes == 0) return cudaSuccess;
-  Grid grid;
-  cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream, &grid);
+  cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream);
   if (err != cudaSuccess) return err;
-  // Block ranges must not split an element: round them to whole 16 bytes (done
-  // in plan_grid), a multiple of every element size.
+  // Ranges are whole 16 bytes (plan_grid), a multiple of every element size,
+  // so none splits an element.
   const Segment* table = static_cast<const Segment*>(device_table);
   const char* src = static_cast<const char*>(flat);
   switch (type) {
-    case ScaledType::kFloat32:
-      scale_kernel<float><<<grid.blocks, kThreads, 0, stream>>>(table, n_segments, src, flat_bytes, grid.block_bytes,
-                                                                static_cast<float>(scale));
-      break;
-    case ScaledType::kFloat64:
-      scale_kernel<double><<<grid.blocks, kThreads, 0, stream>>>(table, n_segments, src, flat_bytes, grid.block_bytes,
-                                                                 scale);
-      break;
-    case ScaledType::kFloat16:
-      scale_kernel<__half><<<grid.blocks, kThreads, 0, stream>>>(table, n_segments, src, flat_bytes, grid.block_bytes,
-                                                                 static_cast<float>(scale));
-      break;
-    case ScaledType::kBFloat16:
-      scale_kernel<__nv_bfloat16><<<grid.blocks, kThreads, 0, stream>>>(table, n_segments, src, flat_bytes,
-                                                                        grid.block_bytes, static_cast<float>(scale));
-      break;
+    case ScaledType::kFloat32: return launch_scale<float>(table, n_segments, src, flat_bytes, scale, stream);
+    case ScaledType::kFloat64: return launch_scale<double>(table, n_segments, src, flat_bytes, scale, stream);
+    case ScaledType::kFloat16: return launch_scale<__half>(table, n_segments, src, flat_bytes, scale, stream);
+    case ScaledType::kBFloat16: return launch_scale<__nv_bfloat16>(table, n_segments, src, flat_bytes, scale, stream);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
+}
+
+int64_t emulate_piece_copy(char* dst, const char* src, int64_t n, int warps) {
+  const PiecePlan p = plan_piece(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), n);
+  int64_t violations = 0;
+  // Every byte in exactly one part; every source vector read inside the piece.
+  const int64_t done = p.head + 16 * p.vectors;
+  violations += p.head < 0 || p.vectors < 0 || done > n;
+  violations += p.vectors > 0 && (reinterpret_cast<uintptr_t>(dst + p.head) & 15) != 0;
+  if (p.vectors > 0 && p.shift > 0) {
+    const char* aligned = src + p.head - p.shift;
+    violations += aligned < src || aligned + 16 * (p.vectors + 1) > src + n;
+  }
+  if (violations > 0 || warps < 1) return violations + (warps < 1);
+  std::memcpy(dst, src, static_cast<size_t>(p.head));
+  if (p.vectors > 0) {
+    uint4* d = reinterpret_cast<uint4*>(dst + p.head);
+    const uint4* s = reinterpret_cast<const uint4*>(src + p.head - p.shift);
+    const int sh = (p.shift & 3) * 8;
+    switch (p.shift >> 2) {
+      case 0:
+        if (p.shift == 0) std::memcpy(d, s, static_cast<size_t>(16 * p.vectors));
+        else emulate_shifted<0>(d, s, sh, p.vectors, warps);
+        break;
+      case 1: emulate_shifted<1>(d, s, sh, p.vectors, warps); break;
+      case 2: emulate_shifted<2>(d, s, sh, p.vectors, warps); break;
+      default: emulate_shifted<3>(d, s, sh, p.vectors, warps); break;
+    }
+  }
+  std::memcpy(dst + done, src + done, static_cast<size_t>(n - done));
+  return 0;
 }
 
 // --- CPU reference -----------------------------------------------------------------

@@ -11,20 +11,31 @@
 // A flatten is a list of segments {tensor pointer, byte offset in the flat
 // buffer, byte length}. The launcher copies that table to the device with one
 // cudaMemcpyAsync on the caller's stream, then launches one kernel, whatever
-// the number of tensors. Each block owns a fixed byte range of the flat
-// buffer (as each thread does on the CPU; see flatten_cpu.cpp), finds its
-// first segment by binary search and copies the pieces of the segments that
-// fall in its range. Ten thousand tiny tensors and one huge one split equally
-// well, and blocks never write the same byte.
+// the number of tensors. The flat buffer is cut into equal ranges, one per
+// warp, as many as the GPU holds resident at once (none under 2 KiB): every
+// warp copies the same number of bytes whatever the tensor sizes, so ten
+// thousand tiny tensors and one huge one split equally well, no warp waits
+// on another (no block barrier) and the grid ends in one wave. A warp finds
+// its range's first segment by a 32-way search (each lane tests one probe),
+// reads the following segments 32 at a time (one per lane, broadcast by
+// shuffle) and copies the pieces of them that fall in its range. Ranges never
+// share a byte, so no two warps write the same byte.
 //
 // [Note: load width by alignment]
-// A piece is copied with 16-byte loads and stores when its source and
-// destination addresses agree modulo 16 (a few head bytes first, a tail
-// after); else with the widest of 8, 4, 2, 1 bytes on which they agree.
-// Tensors from the caching allocator are 512-byte aligned, so the width is
-// set by the byte offsets in the flat buffer: all 16 bytes for float32
-// tensors whose sizes are multiples of 4, 4 bytes for a float32 tensor after
-// an odd-sized one.
+// Every piece of 256 bytes or more is copied with 16-byte loads and 16-byte
+// stores, both aligned, whatever the source's and destination's addresses
+// are modulo 16: the destination is walked in aligned 16-byte vectors; when
+// the source is off by r bytes, each lane loads the aligned source vector
+// under its destination vector, takes the next one from its neighbour lane
+// (a shuffle; the warp's last lane from the next group's first) and
+// funnel-shifts the pair by r bytes. The few bytes before the first and
+// after the last whole vector, and pieces under 256 bytes, take the widest
+// of 16, 8, 4, 2, 1-byte words on which source and destination agree. Loads
+// never leave a piece's source bytes. Without the shift, a float32 tensor
+// whose flat offset is not a multiple of 16 (3 tensors in 4 when sizes are
+// random) moved in 4- or 8-byte words: a quarter or half the bytes in flight
+// per load, which held flatten to 0.74 of a device-to-device copy on an
+// H200.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -64,6 +75,27 @@ size_t segment_table_bytes(int64_t n_segments);
 cudaError_t launch_flatten(const Segment* segments, int64_t n_segments, void* flat,
                            int64_t flat_bytes, void* device_table, cudaStream_t stream);
 
+// How the copy kernels split and copy the flat buffer. kWarpRanges is what
+// every launcher above uses (see [Note: one launch per call]); the others are
+// kept for flatten_selftest's comparison (`--variant all`) on a GPU:
+//   kBlockRanges  equal ranges per block of 8 warps (16 KiB trips), resident grid
+//   kWarpChunks   16 KiB per warp, as many warps as that takes (several waves)
+//   kWarpNarrow   kWarpRanges without the shifted 16-byte path: every piece
+//                 in the widest word source and destination agree on, one
+//                 word per lane per trip (what the shift buys)
+enum class FlattenVariant : int { kWarpRanges = 0, kBlockRanges = 1, kWarpChunks = 2, kWarpNarrow = 3 };
+constexpr int kFlattenVariants = 4;
+const char* flatten_variant_name(FlattenVariant variant);
+
+// launch_flatten with a chosen variant, of a table the caller has already put
+// on the device (`device_table`, n_segments entries, as launch_flatten
+// stages it): no H2D copy, the kernel alone. For flatten_selftest.
+cudaError_t launch_flatten_staged(int64_t n_segments, void* flat, int64_t flat_bytes, const void* device_table,
+                                  FlattenVariant variant, cudaStream_t stream);
+// The same for unflatten.
+cudaError_t launch_unflatten_staged(int64_t n_segments, const void* flat, int64_t flat_bytes,
+                                    const void* device_table, FlattenVariant variant, cudaStream_t stream);
+
 // The reverse: tensor[0, bytes) = flat[offset, offset+bytes), bytes as they are.
 cudaError_t launch_unflatten(const Segment* segments, int64_t n_segments, const void* flat,
                              int64_t flat_bytes, void* device_table, cudaStream_t stream);
@@ -80,6 +112,14 @@ cudaError_t launch_unflatten_scaled(const Segment* segments, int64_t n_segments,
 void reference_flatten(const Segment* segments, int64_t n_segments, void* flat);
 void reference_unflatten_scaled(const Segment* segments, int64_t n_segments, const void* flat,
                                 ScaledType type, double scale);
+
+// The kernels' copy of one piece (n bytes, src to dst), run on the host: the
+// same split into edges and 16-byte vectors, the same trips, neighbour
+// exchange and shifts as a team of `warps` warps runs them, lanes emulated
+// one by one. Checks the split as it goes (every byte copied once, no load
+// outside the piece); returns the number of violations (0: dst now holds the
+// piece). Lets a machine without a GPU test the shifted path.
+int64_t emulate_piece_copy(char* dst, const char* src, int64_t n, int warps);
 
 // Size in bytes of one element of `type`.
 int scaled_type_size(ScaledType type);
