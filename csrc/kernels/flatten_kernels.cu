@@ -170,7 +170,9 @@ __host__ __device__ inline uint4 load_vector(const uint4* p) {
 }
 
 __host__ __device__ inline void load_trip(ShiftTrip& t, const uint4* s, int64_t left, int lane) {
+#ifdef __CUDA_ARCH__
 #pragma unroll
+#endif
   for (int u = 0; u < kUnroll; ++u) t.v[u] = 32 * u <= left ? load_vector(s + 32 * u) : make_uint4(0, 0, 0, 0);
   t.extra = lane == 0 && 32 * kUnroll <= left ? load_vector(s + 32 * kUnroll) : make_uint4(0, 0, 0, 0);
 }

@@ -2,8 +2,9 @@
 // reference (counting wrong bytes) and times flatten against one cudaMemcpy
 // device-to-device copy of the same bytes. Needs a GPU to run, none to build:
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc csrc/kernels/flatten_kernels.cu \
-//        csrc/kernels/flatten_selftest.cu -o flatten_selftest && ./flatten_selftest
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc csrc/kernels/flatten_kernels.cu
+//        csrc/kernels/flatten_selftest.cu -o flatten_selftest  (one line)
+//   ./flatten_selftest
 //
 //   flatten_selftest                  the production kernel (kWarpRanges)
 //   flatten_selftest --variant all    every FlattenVariant, production first:
