@@ -24,15 +24,20 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
     "clip_grad_norm_",
     "patch_torch",
 ]
 __version__ = "0.1.0"
 
 
-# FSDP2's policies are torch's own objects (fully_shard takes them as torch
-# passes them); CPUOffloadPolicy is refused by fully_shard, naming it.
-_TORCH_FSDP2_POLICIES = ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
+# FSDP2's policies and types are torch's own objects (fully_shard takes them
+# as torch passes them; its modules are torch's FSDPModule); CPUOffloadPolicy
+# is refused by fully_shard, naming it.
+_TORCH_FSDP2_NAMES = ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule", "UnshardHandle",
+                      "register_fsdp_forward_method")
 
 
 def __getattr__(name):  # FSDP1's front door imports torch.distributed.fsdp: only when used
@@ -40,7 +45,7 @@ def __getattr__(name):  # FSDP1's front door imports torch.distributed.fsdp: onl
         import pydist.fsdp
 
         return getattr(pydist.fsdp, name)
-    if name in _TORCH_FSDP2_POLICIES:
+    if name in _TORCH_FSDP2_NAMES:
         import torch.distributed.fsdp
 
         return getattr(torch.distributed.fsdp, name)

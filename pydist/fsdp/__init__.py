@@ -20,7 +20,7 @@ _utils.py (memory accounting, per-unit records).
 """
 
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
-from pydist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from pydist.fsdp._fully_shard import fully_shard
 from pydist.fsdp._state_dict import (
     full_optimizer_state_dict,
     full_state_dict,
@@ -66,7 +66,16 @@ __all__ = [
 _FSDP1_NAMES = ("FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "BackwardPrefetch", "CPUOffload")
 
 
+# FSDP2's names are torch's own objects (see [Note: torch's FSDPModule] in _fully_shard.py).
+_TORCH_FSDP2_NAMES = ("FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy",
+                      "OffloadPolicy", "CPUOffloadPolicy")
+
+
 def __getattr__(name):
+    if name in _TORCH_FSDP2_NAMES:
+        import torch.distributed.fsdp
+
+        return getattr(torch.distributed.fsdp, name)
     if name in _FSDP1_NAMES:
         from pydist.fsdp import _fully_sharded_data_parallel
 

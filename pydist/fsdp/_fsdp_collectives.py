@@ -6,7 +6,7 @@ csrc/transport/transport.h).
     transport = open_transport(group, samples, shm=None) # collective, once per root
     fut = all_gather_unit(transport, shard, unsharded)   # unshard one unit
     fut = all_gather_units(transport, shards, outputs, rank_views, dtype)  # several units, one collective
-    rs = reduce_scatter_grads(transport, grads, numels, shard_numel, dtype, device)  # post-backward, a lone unit
+    rs = reduce_scatter_grads(transport, unit.pack_grads, grads, shard_numel, dtype, device)  # a lone unit
     rs.future.wait(); rs.output                          # this rank's summed shard
     pack_unit_grads(transport, grads, numels, rs_input, world_size, column, shard_numel)  # into a batch's input
 
@@ -174,10 +174,11 @@ def all_gather_units(transport, shards: Sequence[torch.Tensor], outputs: tuple[t
 _version_of = operator.attrgetter("_version")
 
 
-def rank_major(rank_views: Sequence[Sequence[torch.Tensor]], world_size: int) -> list[list[torch.Tensor]]:
-    """Each unit's per-rank views (``rank_views[i][q]``), regrouped per rank:
-    what ``all_gather_units`` takes as ``per_rank``."""
-    return [[views[q] for views in rank_views] for q in range(world_size)]
+def rank_major(rank_views: Sequence[Sequence[Sequence[torch.Tensor]]], world_size: int) -> list[list[torch.Tensor]]:
+    """Each unit's per-rank views (``rank_views[i][q]``: a list, one per
+    column of unit i's layout), regrouped per rank: what ``all_gather_units``
+    takes as ``per_rank``."""
+    return [[view for views in rank_views for view in views[q]] for q in range(world_size)]
 
 
 def copy_scale(transport) -> float:
@@ -223,13 +224,14 @@ class ReduceScatterResult(NamedTuple):
     output: torch.Tensor  # this rank's shard of the averaged gradients once it has
 
 
-def reduce_scatter_grads(transport, grads: Sequence[torch.Tensor | None], numels: Sequence[int], shard_numel: int,
+def reduce_scatter_grads(transport, pack, grads: Sequence[torch.Tensor | None], shard_numel: int,
                          dtype, device: torch.device | str = "cpu") -> ReduceScatterResult:
-    """A lone unit: packs its gradients into its padded flat layout and
-    starts reducing them, averaged over the ranks, into this rank's shard."""
+    """A lone unit: packs its gradients with ``pack`` (the unit's
+    ``pack_grads``: into its layout, rank-major) and starts reducing them,
+    averaged over the ranks, into this rank's shard."""
     world_size = transport.world_size
     rs_input = torch.empty(world_size * shard_numel, dtype=dtype, device=device)
-    pack_unit_grads(transport, grads, numels, rs_input, world_size, 0, shard_numel)
+    pack(grads, rs_input, world_size, 0, copy_scale(transport))
     rs_output = torch.empty(shard_numel, dtype=dtype, device=device)
     future = transport.reduce_scatter(rs_input, rs_output, transport_scale(transport))
     return ReduceScatterResult(future, rs_input, rs_output)

@@ -32,12 +32,38 @@ afterwards every shard is 1-D. A ``.grad`` the parameter held is dropped.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["FSDPParam", "ParamModuleInfo"]
+if TYPE_CHECKING:
+    from pydist.fsdp._fsdp_param_group import Column
+
+__all__ = ["FSDPParam", "ParamModuleInfo", "as_dtensor", "dtensor_spec"]
+
+
+def as_dtensor(local: torch.Tensor, spec):
+    """``local`` as a DTensor of ``spec``, without autograd (torch FSDP2's
+    ``_from_local_no_grad``: the constructor, none of ``from_local``'s checks)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_spec(mesh, shape: torch.Size, dtype: torch.dtype):
+    """The spec torch's FSDP2 gives a parameter of ``shape`` sharded on
+    ``mesh``: ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on a
+    2-D ("replicate", "shard") one; contiguous strides."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, tuple(reversed(strides)), dtype))
 
 
 class ParamModuleInfo(NamedTuple):
@@ -57,7 +83,7 @@ class FSDPParam:
     """
 
     def __init__(self, param: nn.Parameter, infos: list[ParamModuleInfo], fqn: str, offset: int,
-                 shard: torch.Tensor, shard_start: int):
+                 shard: torch.Tensor, column: "Column", rank: int, spec=None):
         # Where the parameter is registered (more than one place when shared
         # within the unit); the unit swaps all of them (its _sharded_regs,
         # _unsharded_regs).
@@ -67,20 +93,37 @@ class FSDPParam:
         self.shape = param.shape
         self.numel = param.numel()
         self.requires_grad = param.requires_grad
-        # Its first element's index in the unit's flat (unsharded) layout.
+        # Its first element's index in the unit's unsharded buffer, and the
+        # column of the unit's layout it lies in (see [Note: a unit's
+        # layout] in _fsdp_param_group.py).
         self.offset = offset
-        # This rank's part of it: [local_start, local_end) of the flat layout,
-        # at [local_start - shard_start, ...) of the unit's shard buffer.
-        shard_numel = shard.numel()
-        self.local_start = min(max(offset, shard_start), shard_start + shard_numel)
-        self.local_end = max(min(offset + self.numel, shard_start + shard_numel), self.local_start)
-        # The parameter the optimizer sees: a 1-D view of the shard buffer
+        self.column = column
+        # This rank's part of it, [lo, hi) of its flattened elements: at
+        # [local_start, local_end) of the unsharded buffer, and at
+        # shard_offset of the unit's shard buffer.
+        lo, hi = self.rank_range(rank)
+        self.local_start = offset + lo
+        self.local_end = offset + hi
+        self.shard_offset = column.shard_offset + (offset - column.offset) + lo - rank * column.width
+        if hi == lo:
+            self.shard_offset = column.shard_offset
+        # The shape of that part: 1-D in the flat layout; the rows it keeps
+        # under the dim-0 layout (a parameter of dim 0 or without rows: 1-D).
+        rows = column.rows
+        self.local_shape = (torch.Size([(hi - lo) // (self.numel // self.shape[0])]) + self.shape[1:]
+                            if rows and self.numel else torch.Size([hi - lo]))
+        # The parameter the optimizer sees: a view of the shard buffer
         # (see [Note: what the optimizer sees]). Lives as long as the unit.
         # It is the module's own Parameter object, pointed at its piece, so
         # an optimizer built before fully_shard holds it (see [Note: the
         # Parameter objects stay]); a meta one is adopted at to_empty instead.
-        view = shard.narrow(0, self.local_start - shard_start, self.local_end - self.local_start)
-        if param.is_meta:
+        view = self.local_view(shard)
+        # FSDP2's door: the DTensor spec of the parameter and its gradient
+        # (see [Note: DTensor parameters]); None: plain tensors.
+        self.spec = spec
+        if spec is not None:
+            self.sharded_param = nn.Parameter(as_dtensor(view, spec), requires_grad=param.requires_grad)
+        elif param.is_meta:
             self.sharded_param = nn.Parameter(view, requires_grad=param.requires_grad)
         else:
             param.grad = None  # one of the full shape no longer fits (FSDP2's new parameter has none either)
@@ -97,13 +140,47 @@ class FSDPParam:
         # Where its part of its unit's reduced output starts (set by the unit).
         self._grad_offset = -1
 
+    def local_tensor(self) -> torch.Tensor:
+        """The plain tensor the sharded parameter holds: this rank's piece."""
+        p = self.sharded_param
+        return p._local_tensor if self.spec is not None else p
+
+    def set_local(self, local: torch.Tensor) -> None:
+        """Points the sharded parameter at ``local`` (its piece of a new shard buffer)."""
+        if self.spec is not None:
+            self.sharded_param._local_tensor = local
+        else:
+            self.sharded_param.data = local
+
+    def hand_grad(self, local: torch.Tensor) -> None:
+        """Gives the sharded parameter ``local`` (its piece of a reduced
+        output, in its local shape) as ``.grad``, or adds it to the one it has."""
+        p = self.sharded_param
+        if p.grad is None:
+            p.grad = as_dtensor(local, self.spec) if self.spec is not None else local
+        else:
+            (p.grad._local_tensor if self.spec is not None else p.grad).add_(local)
+
+    def rank_range(self, r: int) -> tuple[int, int]:
+        """The range of its flattened elements (within ``[0, numel]``) rank
+        ``r`` keeps: what of its column's rank-``r`` cut falls on it."""
+        col = self.column
+        start = self.offset - col.offset  # where it starts in its column
+        lo = min(max(r * col.width - start, 0), self.numel)
+        hi = min(max((r + 1) * col.width - start, lo), self.numel)
+        return lo, hi
+
+    def local_view(self, shard: torch.Tensor) -> torch.Tensor:
+        """Its part of ``shard`` (a buffer laid out as the unit's shard), in its local shape."""
+        return shard.narrow(0, self.shard_offset, self.local_numel).view(self.local_shape)
+
     @property
     def local_numel(self) -> int:
         return self.local_end - self.local_start
 
     def full_view(self, flat: torch.Tensor) -> torch.Tensor:
-        """The parameter in full, a view of ``flat``: a buffer in the unit's
-        flat (unsharded) layout."""
+        """The parameter in full, a view of ``flat``: a buffer laid out as
+        the unit's unsharded buffer."""
         return flat.narrow(0, self.offset, self.numel).view(self.shape)
 
     def init_unsharded_param(self, unsharded: torch.Tensor) -> None:
@@ -131,4 +208,4 @@ class FSDPParam:
         return self.unsharded_param.grad if self.unsharded_param is not None else None
 
     def __repr__(self) -> str:
-        return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local=[{self.local_start}, {self.local_end}))"
+        return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local={tuple(self.local_shape)} at {self.shard_offset})"

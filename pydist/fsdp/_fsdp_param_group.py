@@ -14,6 +14,29 @@ torch's FSDP2 pads every parameter's dim 0 to a multiple of N (a
 there, ~1.0x here). The reduce-scatter input is the same layout, holding
 the gradients, so rank r receives exactly the gradient of its shard.
 
+[Note: a unit's layout]
+Each door lays a unit out as the torch API it imitates does, once, when
+the unit is made (``Layout``); everything after (the pool, the batched
+collectives, the packing, the plans, the transports) reads the result, a
+list of columns. A column is a run of the unsharded buffer cut evenly
+across the ranks, ``width`` elements each: rank r keeps cut r, and the
+shard buffer is the rank's cuts of every column end to end.
+  FLAT   (``FullyShardedDataParallel``, FSDP1's): one column, the flat layout
+         above.
+  SHARD0 (``fully_shard``, FSDP2's): one column per parameter, its dim 0
+         chunked as torch chunks it (``ceil(dim0 / N)`` rows a rank, the
+         last ranks' chunks short or empty, padded to that many rows), so
+         rank r's piece of a parameter is rows ``[r * c, (r + 1) * c)`` and
+         the shard is FSDP2's all-gather input byte for byte.
+In the unsharded buffer a column is whole, ``N * width`` elements: its
+parameters in full, then its padding. So a unit of one column all-gathers
+straight into it, and a unit of several gathers as a batch of columns does
+(each rank's cut copied out into its column, see [Note: batched
+collectives]), which is the copy-out torch's FSDP2 makes after its
+all-gather; a gradient is packed into the reduce-scatter input per column.
+Bytes on the wire and in the shard are FSDP2's under SHARD0: padding per
+parameter, not per unit.
+
 [Note: the unsharded buffer's memory]
 Autograd keeps the unsharded parameters a unit's forward used (``Linear``
 saves its weight) and reads them in backward. The tensors it saved are views
@@ -110,10 +133,49 @@ import torch.nn as nn
 from pydist import _C
 from pydist.fsdp import _clip_grad as clip_grad
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
+from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo, dtensor_spec
 
-__all__ = ["FSDPParamGroup", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
+__all__ = ["FSDPParamGroup", "Layout", "Column", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
            "UnshardPool", "PoolSlot", "POOL_SLOTS", "ReduceLayout"]
+
+
+class Layout(enum.Enum):
+    """How a unit's parameters are cut across the ranks: see [Note: a unit's layout]."""
+
+    FLAT = "flat"  # FSDP1's: the parameters end to end, cut evenly
+    SHARD0 = "shard0"  # FSDP2's: each parameter's dim 0 chunked
+
+
+class Column(NamedTuple):
+    """A run of a unit's unsharded buffer cut evenly across the ranks: see
+    [Note: a unit's layout]."""
+
+    offset: int  # where it starts in the unsharded buffer
+    shard_offset: int  # where a rank's cut starts in the shard buffer
+    width: int  # elements per rank
+    rows: bool  # cut along dim 0 of its one parameter (SHARD0); else flat
+
+
+def _lay_out(shapes: Sequence[torch.Size], layout: Layout, world_size: int) -> tuple[list, list]:
+    """The columns of a unit of parameters of ``shapes``, and per parameter
+    (its column, where it starts in the unsharded buffer)."""
+    if layout is Layout.FLAT:
+        column = Column(0, 0, -(-sum(s.numel() for s in shapes) // world_size), False)
+        places, offset = [], 0
+        for shape in shapes:
+            places.append((column, offset))
+            offset += shape.numel()
+        return [column], places
+    columns, places, shard_offset = [], [], 0
+    for shape in shapes:
+        numel = shape.numel()
+        rows = len(shape) > 0 and shape[0] > 0
+        width = -(-shape[0] // world_size) * (numel // shape[0]) if rows else -(-numel // world_size)
+        column = Column(world_size * shard_offset, shard_offset, width, rows)
+        columns.append(column)
+        places.append((column, column.offset))
+        shard_offset += width
+    return columns, places
 
 
 class CollectiveRecord(NamedTuple):
@@ -173,7 +235,7 @@ class FSDPParamGroup:
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter, list[ParamModuleInfo]]],
                  rank: int, world_size: int, sharded: bool, reshard_after_forward: bool, label: str,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 zeros_for_unused: bool = False):
+                 zeros_for_unused: bool = False, layout: Layout = Layout.FLAT, mesh=None):
         dtypes = {p.dtype for _, p, _ in named_params}
         if len(dtypes) > 1:
             listing = ", ".join(f"{n}: {p.dtype}" for n, p, _ in named_params)
@@ -221,19 +283,31 @@ class FSDPParamGroup:
         self.world_size = world_size
         self.sharded = sharded
         self.total_numel = sum(p.numel() for _, p, _ in named_params)
-        self.shard_numel = -(-self.total_numel // self.shard_world_size)
+        # See [Note: a unit's layout]: the columns, and per parameter its
+        # column and its first element's place in the unsharded buffer.
+        self.layout = layout if sharded else Layout.FLAT
+        self.columns, places = _lay_out([p.shape for _, p, _ in named_params], self.layout, self.shard_world_size)
+        self.shard_numel = sum(c.width for c in self.columns)
         self.padded_numel = self.shard_numel * self.shard_world_size
-        self.shard_start = shard_start = self.rank * self.shard_numel if sharded else 0
-        # This rank's shard of the flat layout; the sharded parameters are
-        # views of it. Lives as long as the unit (a meta unit's is replaced
-        # when it is sharded for real: shard_materialized).
+        # This rank's shard; the sharded parameters are views of it. Lives
+        # as long as the unit (a meta unit's is replaced when it is sharded
+        # for real: shard_materialized).
         self.shard = (torch.empty(self.shard_numel, dtype=self.dtype, device="meta") if self.materializing
                       else self._shard_of([p for _, p, _ in named_params]))
-        self.fsdp_params: list[FSDPParam] = []
-        offset = 0
-        for fqn, p, infos in named_params:
-            self.fsdp_params.append(FSDPParam(p, infos, fqn, offset, self.shard, shard_start))
-            offset += self.fsdp_params[-1].numel  # p is its shard now: see [Note: the Parameter objects stay]
+        shard_rank = self.rank if sharded else 0
+        # FSDP2's door: DTensor parameters on ``mesh`` (see [Note: DTensor parameters] in _fsdp_param.py).
+        self.dtensor = mesh is not None and self.layout is Layout.SHARD0
+        specs = [None] * len(named_params)
+        if self.dtensor:
+            for fqn, p, _ in named_params:
+                if p.dim() == 0:
+                    raise NotImplementedError(
+                        f"pydist.fully_shard({label}): parameter {fqn} has no dimension; FSDP2 shards each "
+                        "parameter on dim 0 (torch's fully_shard refuses it too): give it shape (1,), or leave it "
+                        "out of fully_shard'ed modules")
+            specs = [dtensor_spec(mesh, p.shape, p.dtype) for _, p, _ in named_params]
+        self.fsdp_params = [FSDPParam(p, infos, fqn, offset, self.shard, column, shard_rank, spec)
+                            for (fqn, p, infos), (column, offset), spec in zip(named_params, places, specs)]
         for fp in self.fsdp_params:
             fp.param_group = self  # the unit a shard belongs to, for clip_grad_norm_ and state dicts
         # The all-gather's output; the unsharded parameters are views of it.
@@ -272,14 +346,17 @@ class FSDPParamGroup:
         # parameter's numel, as the packing copy reads the layout.
         self._take_up_requires_grad()
         self._numels = [fp.numel for fp in self.fsdp_params]
-        # Each rank's part of the unsharded buffer, [q * shard_numel, ...):
-        # what a batched all-gather copies into. Views, valid across resizes,
-        # made at the first (a view cannot be made while the buffer has no memory).
-        self.rank_views: list[torch.Tensor] | None = None
+        # Per column, the parameters in it ([first, end) of fsdp_params):
+        # what a packing copy takes per column (see [Note: a unit's layout]).
+        self._column_params = _column_params(self.fsdp_params, self.columns)
+        # Per rank, each column's cut of the unsharded buffer: what a batched
+        # all-gather copies into. Views, valid across resizes, made at the
+        # first (a view cannot be made while the buffer has no memory).
+        self.rank_views: list[list[torch.Tensor]] | None = None
         # Where each parameter's part of the reduced output starts: the
         # output is laid out as the shard buffer is.
         for fp in self.fsdp_params:
-            fp._grad_offset = fp.local_start - shard_start
+            fp._grad_offset = fp.shard_offset
         # NO_SHARD units are unsharded for good: unshard and reshard do nothing.
         self.sharded_state = ShardedState.SHARDED if sharded else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
@@ -372,14 +449,71 @@ class FSDPParamGroup:
         flat: a new buffer. Notes their digests for the root's check that
         every rank built the same values (see [Note: every rank builds the
         same model])."""
-        with torch.no_grad():
-            full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-            if params:
-                from pydist import ops
+        from pydist import ops
 
-                ops.flatten([p.detach() for p in params], out=full.narrow(0, 0, self.total_numel))
-            self.built_digests = _digests(full.cpu(), [p.shape for p in params])  # once, at setup
-            return full.narrow(0, self.shard_start, self.shard_numel).clone()
+        with torch.no_grad():
+            flat = torch.empty(self.total_numel, dtype=self.dtype, device=self.device)
+            if params:
+                ops.flatten([p.detach() for p in params], out=flat)
+            self.built_digests = _digests(flat.cpu(), [p.shape for p in params])  # once, at setup
+            if self.layout is Layout.FLAT:
+                full = torch.cat([flat, flat.new_zeros(self.padded_numel - self.total_numel)])
+            else:
+                full = flat.new_zeros(self.padded_numel)
+                for column, piece in zip(self.columns, flat.split([p.numel() for p in params])):
+                    full.narrow(0, column.offset, piece.numel()).copy_(piece)
+            return self.shard_of_full(full)
+
+    def shard_of_full(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s shard (this rank's: None) of ``full``, a buffer
+        laid out as the unsharded buffer: a new buffer."""
+        r = (self.rank if self.sharded else 0) if rank is None else rank
+        return torch.cat([full.narrow(0, c.offset + r * c.width, c.width) for c in self.columns])
+
+    def cut_views(self, full: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per rank, each column's cut of ``full`` (laid out as the unsharded
+        buffer): where an all-gather puts every rank's shard."""
+        return [[full.narrow(0, c.offset + r * c.width, c.width) for c in self.columns]
+                for r in range(self.shard_world_size)]
+
+    def shard_cuts(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Each column's cut in ``shard`` (laid out as the shard buffer)."""
+        return [shard.narrow(0, c.shard_offset, c.width) for c in self.columns]
+
+    def gather(self, shard: torch.Tensor, full: torch.Tensor):
+        """Starts all-gathering every rank's ``shard`` (laid out as the shard
+        buffer, in ``full``'s dtype) into ``full`` (as the unsharded buffer);
+        ``wait()`` the result."""
+        if len(self.columns) == 1:
+            return collectives.all_gather_unit(self.transport, shard, full)
+        return collectives.all_gather_units(self.transport, self.shard_cuts(shard), (full,),
+                                            collectives.rank_major([self.cut_views(full)], self.shard_world_size),
+                                            full.dtype)
+
+    def pack_grads(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor, world_size: int, column: int,
+                   scale: float) -> None:
+        """Packs the unit's gradients (per parameter, in ``out``'s dtype,
+        contiguous; None: zeros), times ``scale``, into its column of the
+        rank-major ``out``: one C++ pass per column of the layout."""
+        if len(self.columns) == 1:
+            _C.pack_rank_major(grads, self._numels, out, world_size, column, self.shard_numel, scale)
+            return
+        numels = self._numels
+        for c, (first, end) in zip(self.columns, self._column_params):
+            _C.pack_rank_major(grads[first:end], numels[first:end], out, world_size, column + c.shard_offset,
+                               c.width, scale)
+
+    def pack_param_grads(self, out: torch.Tensor, world_size: int, column: int, scale: float) -> list[bool]:
+        """``pack_grads`` of the .grads on the unsharded parameters, which are
+        cleared; returns which parameters had one."""
+        params, numels = self._unsharded_params, self._numels
+        if len(self.columns) == 1:
+            return _C.pack_param_grads(params, numels, out, world_size, column, self.shard_numel, scale)
+        had = []
+        for c, (first, end) in zip(self.columns, self._column_params):
+            had += _C.pack_param_grads(params[first:end], numels[first:end], out, world_size,
+                                       column + c.shard_offset, c.width, scale)
+        return had
 
     # [Note: a unit built on the meta device]
     # FSDP2's recipe for a model too large to build whole on one device:
@@ -408,6 +542,10 @@ class FSDPParamGroup:
         """``Module._apply`` (to_empty, .to, .float ...) ran over the unit's
         modules: a meta unit adopts the parameters it left there; any other
         unit must still have its own in place, or raises."""
+        if self.dtensor:
+            self.adopt_registered("moving or casting a fully_shard'ed module (Module._apply: .to(), .float(), "
+                                  ".half() ...)")
+            return
         if self.materializing:
             self._adopt_applied()
             return
@@ -454,6 +592,56 @@ class FSDPParamGroup:
         self._sharded_regs = self._registrations("sharded_param")
         self._take_up_requires_grad()
 
+    def adopt_registered(self, what: str) -> None:
+        """DTensor units: ``what`` (to_empty, ``load_state_dict(assign=True)``,
+        a move or cast) may have put new DTensor parameters on the modules,
+        or new local tensors in the old ones (``swap_tensors``). Each becomes
+        the sharded parameter; its local values go into the shard (a unit
+        still on the meta device: "local", sharded at its first use). As
+        torch FSDP2's ``reset_sharded_param``. See [Note: DTensor parameters]
+        in _fsdp_param.py."""
+        from torch.distributed.tensor import DTensor
+
+        changed = False
+        for fp in self.fsdp_params:
+            first = fp.module_infos[0]
+            p = first.module._parameters.get(first.name)
+            if not isinstance(p, DTensor) or p.shape != fp.shape or p._spec.placements != fp.spec.placements:
+                raise NotImplementedError(
+                    f"pydist.fully_shard({self.label}): {what} left parameter {fp.fqn} as "
+                    f"{type(p).__name__} {tuple(p.shape) if p is not None else ''}; a fully_shard'ed module keeps "
+                    f"DTensor parameters of their own shape, sharded as {fp.spec.placements}")
+            local = p._local_tensor
+            if local.is_meta:
+                continue
+            if local.dtype != self.dtype or local.shape != fp.local_shape or (
+                    self.materializing is None and local.device != self.device):
+                raise NotImplementedError(
+                    f"pydist.fully_shard({self.label}): {what} made parameter {fp.fqn} {local.dtype} "
+                    f"{tuple(local.shape)} on {local.device} locally; its unit keeps {self.dtype} "
+                    f"{tuple(fp.local_shape)}" + (f" on {self.device}" if self.materializing is None else "")
+                    + ". Move or cast the module before fully_shard (for a compute dtype: "
+                    "mp_policy=MixedPrecisionPolicy(...)); materialize it with to_empty(device=...)")
+            for info in fp.module_infos[1:]:
+                info.module._parameters[info.name] = p  # one Parameter per place: tie them again
+            if p is not fp.sharded_param:
+                p._pydist_fsdp_param = fp
+                fp.sharded_param = p
+                changed = True
+            if self.materializing is not None:
+                self.materializing = "local"
+                self.device = local.device
+            elif local is not fp.local_view(self.shard) and local.data_ptr() != fp.local_view(self.shard).data_ptr():
+                view = fp.local_view(self.shard)
+                with torch.no_grad():
+                    view.copy_(local)
+                fp.set_local(view)
+        if changed:
+            self._sharded_regs = self._registrations("sharded_param")
+            self._take_up_requires_grad()
+            if self.sharded_state is ShardedState.SHARDED:
+                _register(self._sharded_regs)
+
     def shard_materialized(self) -> None:
         """At the unit's first use: its full-size parameters (the user
         initialized them since to_empty) become its shard, the same
@@ -467,12 +655,18 @@ class FSDPParamGroup:
                 "module.to_empty(device='cpu') on the root and initialize the parameters (e.g. reset_parameters(), "
                 "or load a state dict) before its first forward, state dict or unshard"
             )
-        self.shard = self._shard_of([fp.sharded_param for fp in self.fsdp_params])
+        if self.materializing == "local":  # each rank has its pieces only: see [Note: DTensor parameters]
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for fp in self.fsdp_params:
+                    fp.local_view(self.shard).copy_(fp.local_tensor())
+        else:
+            self.shard = self._shard_of([fp.sharded_param for fp in self.fsdp_params])
         if self.unsharded.device != self.device:  # built on meta: no view of it exists yet
             self.unsharded = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
             self.unsharded.untyped_storage().resize_(0)
         for fp in self.fsdp_params:
-            fp.sharded_param.data = self.shard.narrow(0, fp.local_start - self.shard_start, fp.local_numel)
+            fp.set_local(fp.local_view(self.shard))
         self.materializing = None
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
@@ -488,7 +682,7 @@ class FSDPParamGroup:
             slot = self.pool.take(self.unsharded_nbytes)
         self._begin_unshard(phase, time.monotonic_ns(), slot, 0)
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
-        self._unshard_future = collectives.all_gather_unit(self.transport, shard, self.unsharded)
+        self._unshard_future = self.gather(shard, self.unsharded)
 
     def may_borrow(self, phase: str) -> bool:
         """Whether an unshard in ``phase`` may take pool memory: the unit
@@ -562,7 +756,8 @@ class FSDPParamGroup:
                 fp.init_unsharded_param(self.unsharded)
             self._unsharded_regs = self._registrations("unsharded_param")
             self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
-            self._grad_pack = _C.GradPack(self._unsharded_params, self._numels, self.shard_numel)
+            if len(self.columns) == 1:  # a closed gate packs one column (see [Note: runs of units])
+                self._grad_pack = _C.GradPack(self._unsharded_params, self._numels, self.shard_numel)
         _register(self._unsharded_regs)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -703,8 +898,8 @@ class FSDPParamGroup:
             if batch is not None and not batch.launched:
                 batch.add(self, grads)
             elif self.sharded:
-                self._reduce = collectives.reduce_scatter_grads(self.transport, grads, self._numels, self.shard_numel,
-                                                                self.reduce_dtype, self.device)
+                self._reduce = collectives.reduce_scatter_grads(self.transport, self.pack_grads, grads,
+                                                                self.shard_numel, self.reduce_dtype, self.device)
             else:
                 self._reduce = collectives.all_reduce_grads(self.transport, grads, self._numels, self.padded_numel,
                                                             self.dtype, self.device)
@@ -938,6 +1133,18 @@ class FSDPParamGroup:
                 f"shard={self.shard_numel}, {self.sharded_state.name}, {self.training_state.name})")
 
 
+def _column_params(fsdp_params: Sequence[FSDPParam], columns: Sequence[Column]) -> list[tuple[int, int]]:
+    """Per column, the [first, end) of ``fsdp_params`` in it."""
+    spans, first = [], 0
+    for column in columns:
+        end = first
+        while end < len(fsdp_params) and fsdp_params[end].column is column:
+            end += 1
+        spans.append((first, end))
+        first = end
+    return spans
+
+
 def _hand_out_grads(output: torch.Tensor, unit: FSDPParamGroup, params: list, offsets: list) -> None:
     """``output`` (this rank's reduced shards, in the reduce dtype) split into
     the ``.grad`` of the shards ``params`` (each from its offset in
@@ -945,6 +1152,11 @@ def _hand_out_grads(output: torch.Tensor, unit: FSDPParamGroup, params: list, of
     the units they belong to, all of one dtype. The output is cast once
     where the reduce dtype is not the shards'."""
     output = output.to(unit.dtype)
+    if unit.dtensor:  # DTensor gradients, as torch's FSDP2 gives them
+        for p, offset in zip(params, offsets):
+            fp = p._pydist_fsdp_param
+            fp.hand_grad(output.narrow(0, offset, fp.local_numel).view(fp.local_shape))
+        return
     if unit.sharded:  # see [Note: the global norm of sharded gradients] in _clip_grad.py
         clip_grad.mark_shard_grads(output, unit.transport)
     _C.hand_out_grads(output, params, offsets)
@@ -1060,11 +1272,12 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
         g._unshard_issue = issue
         g.sharded_state = _UNSHARDING
         if g.rank_views is None:
-            g.rank_views = list(g.unsharded.split(g.shard_numel))
+            g.rank_views = g.cut_views(g.unsharded)
     # The same units gather as one batch every iteration: their tensors'
     # lists are made once (the shards, buffers and views are the units' for good).
     if cached is None:
-        cached = first._gather_lists = (groups, [g.shard for g in groups], tuple(g.unsharded for g in groups),
+        cached = first._gather_lists = (groups, [cut for g in groups for cut in g.shard_cuts(g.shard)],
+                                        tuple(g.unsharded for g in groups),
                                         collectives.rank_major([g.rank_views for g in groups], first.world_size))
     future = collectives.all_gather_units(first.transport, cached[1], cached[2], cached[3], first.compute_dtype)
     future.members = groups  # the first wait unshards them all: see _wait_all_gather
@@ -1334,16 +1547,14 @@ class GradBatch:
         self.replica: ReplicaReduce | None = None  # HSDP: the all-reduce over the replicas, once started
 
     def add(self, pg: FSDPParamGroup, grads: list) -> None:
-        _C.pack_rank_major(grads, pg._numels, self._input_for(pg), self.world_size, self.columns[id(pg)],
-                           pg.shard_numel, self.copy_scale)  # collectives.pack_unit_grads, its scale computed once
+        pg.pack_grads(grads, self._input_for(pg), self.world_size, self.columns[id(pg)], self.copy_scale)
         self._arrive(pg)
 
     def add_params(self, pg: FSDPParamGroup) -> list[bool]:
         """``add`` of the .grads on ``pg``'s unsharded parameters, which are
         cleared; returns which parameters had one."""
-        had = _C.pack_param_grads(pg._unsharded_params, pg._numels, self.input if self.input is not None
-                                  else self._input_for(pg), self.world_size, self.columns[id(pg)], pg.shard_numel,
-                                  self.copy_scale)
+        had = pg.pack_param_grads(self.input if self.input is not None else self._input_for(pg), self.world_size,
+                                  self.columns[id(pg)], self.copy_scale)
         arrived = self.arrived
         arrived.append(pg)
         if len(arrived) == len(self.members):

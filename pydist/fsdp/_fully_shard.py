@@ -16,6 +16,7 @@ is sharded and [Note: the order of an iteration] for the hooks.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -24,11 +25,11 @@ import torch.nn as nn
 from torch.nn.modules import module as _module_hooks
 
 from pydist.fsdp._fsdp_param import ParamModuleInfo
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup, Layout
 from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES, FSDPState, state_of
 from pydist.fsdp._state_dict import install_torch_checkpoint_api, register_state_dict_hooks
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "UnitModule", "fsdp2_mixin", "unshard_handle"]
 
 
 def _torch_policies():
@@ -40,7 +41,7 @@ def _torch_policies():
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, shard_placement_fn=None,
                 mp_policy=None, offload_policy=None, ignored_params=None, shm: bool | None = None,
                 _sharded: bool = True, _process_group=None, _replicate_group=None,
-                _zeros_for_unused: bool = False) -> nn.Module:
+                _zeros_for_unused: bool = False, _layout: Layout = Layout.SHARD0) -> nn.Module:
     """Makes ``module``'s parameters not yet managed by a fully_shard'ed
     submodule one unit, sharded over ``mesh`` (a 1-D DeviceMesh; a 2-D one,
     ("replicate", "shard"), for HSDP: see [Note: HSDP]; None: the default
@@ -67,11 +68,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     from pydist.overlap import hooks as overlap_hooks
 
     overlap_hooks.sharded_made()  # [overlap hook] a PYDIST_SIM_NET it cannot read is refused here, as DDP does
+    named = _managed_params(module)
     if _process_group is not None:
         group, replicate_group = _process_group, _replicate_group
     else:
         group, replicate_group = _groups_of(mesh)
-    named = _managed_params(module)
+        if mesh is None and _layout is Layout.SHARD0:
+            mesh = _default_mesh([p for _, p, _ in named])
     for fqn, p, _ in named:
         # Its module's own Parameter object, which becomes the shard (see
         # [Note: the Parameter objects stay]): a registration of it outside
@@ -83,10 +86,14 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
             named, dist.get_rank(group), dist.get_world_size(group), sharded=_sharded,
             reshard_after_forward=reshard_after_forward, label=type(module).__name__,
             param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-            zeros_for_unused=_zeros_for_unused,
+            zeros_for_unused=_zeros_for_unused, layout=_layout, mesh=mesh if _layout is Layout.SHARD0 else None,
         )
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy, replicate_group)
-    register_state_dict_hooks(module)  # see [Note: the sharded state dict]
+    if _layout is Layout.FLAT:
+        register_state_dict_hooks(module)  # see [Note: the sharded state dict]
+    elif param_group is not None:  # DTensor parameters: torch's state dicts, and its reset after load(assign=True)
+        module.register_load_state_dict_post_hook(
+            lambda *_: param_group.adopt_registered("load_state_dict(assign=True)"))
     install_torch_checkpoint_api()  # see [Note: torch's checkpoint helpers on pydist's shards]
     # Libraries ask whether a module is FSDP-managed the way torch's
     # fully_shard marks it: Hugging Face's generate() then keeps every rank
@@ -96,17 +103,29 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         managed._is_fsdp_managed_module = True
         managed._fsdp_use_orig_params = True
     cls = module.__class__
-    if not isinstance(module, FSDPModule):
-        if cls not in _FSDP_CLASSES:
+    if not isinstance(module, UnitModule):
+        mixin = fsdp2_mixin() if _layout is Layout.SHARD0 else UnitModule
+        if (mixin, cls) not in _FSDP_CLASSES:
             # See [Note: a unit's call]; a class with its own _call_impl keeps it.
             own_call = cls._call_impl is not nn.Module._call_impl
-            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
-                                      {} if own_call else {"_call_impl": _unit_call_impl})
-        module.__class__ = _FSDP_CLASSES[cls]
+            _FSDP_CLASSES[mixin, cls] = type(f"FSDP{cls.__name__}", (mixin, cls),
+                                             {} if own_call else {"_call_impl": _unit_call_impl})
+        module.__class__ = _FSDP_CLASSES[mixin, cls]
     return module
 
 
-_FSDP_CLASSES: dict[type, type] = {}
+_FSDP_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _default_mesh(params: list):
+    """torch's default for ``fully_shard(mesh=None)``: a 1-D mesh over the
+    world, on the parameters' device type (a meta model's: CUDA where there
+    is one, as torch's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    types = {p.device.type for p in params} - {"meta"}
+    kind = types.pop() if len(types) == 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(kind, (dist.get_world_size(),))
 
 # [Note: a unit of zero-size parameters]
 # A module whose parameters all have no elements (``nn.Linear(16, 0)``, a
@@ -191,8 +210,9 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[Par
     return list(by_id.values())
 
 
-class UnshardHandle:
-    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` it."""
+class _UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` it
+    (made an instance of torch's ``UnshardHandle``: ``unshard_handle``)."""
 
     def __init__(self, param_group: FSDPParamGroup | None):
         self._param_group = param_group
@@ -203,8 +223,10 @@ class UnshardHandle:
             self._param_group = None
 
 
-class FSDPModule:
-    """Mixed into a fully_shard'ed module's class: FSDP2's module methods."""
+class UnitModule:
+    """Mixed into a fully_shard'ed module's class: FSDP2's module methods on
+    pydist's engine (FSDP1's door's inner units have this alone;
+    ``fully_shard``'s have ``FSDP2Module``, torch's type too)."""
 
     def _apply(self, fn, recurse: bool = True):
         """``to_empty``, ``.to()``, ``.float()``...: a unit built on the meta
@@ -224,7 +246,7 @@ class FSDPModule:
     def _param_groups(self, recurse: bool):
         return [s.param_group for s in self._fsdp_states(recurse) if s.param_group is not None]
 
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+    def unshard(self, async_op: bool = False):
         """All-gathers this module's unit (not its children's). Before any
         forward, this module becomes the root (as FSDP2's lazy init)."""
         state = state_of(self)
@@ -233,7 +255,7 @@ class FSDPModule:
         pg = state.param_group
         if pg is not None:
             pg.unshard()
-        handle = UnshardHandle(pg)
+        handle = unshard_handle()(pg)
         if async_op:
             return handle
         handle.wait()
@@ -308,3 +330,51 @@ def _state_or_raise(module: nn.Module) -> FSDPState:
     if state is None:
         raise ValueError(f"{type(module).__name__} is not fully_shard'ed; only FSDPModules can be prefetched")
     return state
+
+
+# [Note: torch's FSDPModule]
+# ``fully_shard``'s modules are instances of torch's ``FSDPModule``, so
+# scripts and libraries that check it (``isinstance(m, FSDPModule)``,
+# torch's state-dict helpers) take them for FSDP2's. torch's class reaches
+# its state through ``fully_shard.state(module)``, which pydist's modules do
+# not have, so the mixin puts pydist's engine behind every method torch's
+# class has: ``UnitModule``'s where pydist has one, and for the rest an
+# error naming the method. ``pydist.FSDPModule`` is torch's class itself.
+# The mixin is made at the first fully_shard (torch.distributed.fsdp takes
+# seconds to import; ``import pydist`` does not pay it).
+
+
+@functools.cache
+def fsdp2_mixin() -> type:
+    """``fully_shard``'s mixin: pydist's methods, torch's type. See [Note: torch's FSDPModule]."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def __new__(cls, *args, **kwargs):
+        # torch's FSDPModule.__new__ (copy.deepcopy, unpickling) builds the
+        # wrapped class at __mro__[2]; here it is one further along.
+        orig_cls = cls.__mro__[3]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    methods = {"__new__": __new__, "__doc__": fsdp2_mixin.__doc__}
+    for name, value in vars(FSDPModule).items():
+        if callable(value) and not name.startswith("__") and name not in vars(UnitModule):
+            methods[name] = _not_implemented(name)
+    return type("FSDP2Module", (UnitModule, FSDPModule), methods)
+
+
+@functools.cache
+def unshard_handle() -> type:
+    """pydist's unshard handle, a subclass of torch's ``UnshardHandle``."""
+    from torch.distributed.fsdp import UnshardHandle
+
+    return type("UnshardHandle", (_UnshardHandle, UnshardHandle), {})
+
+
+def _not_implemented(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"pydist.fully_shard: FSDPModule.{name} is not implemented on pydist's engine")
+
+    method.__name__ = name
+    return method

@@ -96,6 +96,7 @@ from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision,
 from torch.distributed.fsdp import StateDictSettings, StateDictType
 
 from pydist.fsdp._fully_shard import fully_shard
+from pydist.fsdp._fsdp_param_group import Layout
 from pydist.fsdp._fsdp_state import state_of
 from pydist.fsdp._state_dict import (
     full_optimizer_state_dict,
@@ -160,7 +161,8 @@ class FullyShardedDataParallel(nn.Module):
         kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
                       _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group,
                       _replicate_group=replicate_group,
-                      _zeros_for_unused=True)  # FSDP1's answer: see [Note: parameters without a gradient]
+                      _zeros_for_unused=True,  # FSDP1's answer: see [Note: parameters without a gradient]
+                      _layout=Layout.FLAT)  # FSDP1's: see [Note: a unit's layout]
         for m in reversed(list(module.modules())):  # children before their parents
             if m is not module and m in targets:
                 fully_shard(m, mp_policy=unit_policy, **kwargs)

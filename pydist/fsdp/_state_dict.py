@@ -154,10 +154,7 @@ def flat_range_boxes(shape, start: int, end: int) -> list[Box]:
 def _rank_range(fp: FSDPParam, r: int) -> tuple[int, int]:
     """The flat range of ``fp`` (parameter-relative, within ``[0, numel]``)
     rank ``r`` keeps; empty when r's shard ends before or starts after it."""
-    pg = fp.param_group
-    lo = min(max(fp.offset, r * pg.shard_numel), fp.offset + fp.numel)
-    hi = max(min(fp.offset + fp.numel, (r + 1) * pg.shard_numel), lo)
-    return (lo - fp.offset, hi - fp.offset)
+    return fp.rank_range(r)
 
 
 def _empty_box(shape, flat_start: int) -> list[Box]:
@@ -203,7 +200,8 @@ def _as_sharded_tensor(fp: FSDPParam, local: torch.Tensor, group):
             md = ShardMetadata(list(box.offsets), list(box.sizes), placement)
             shards_md.append(md)
             if r == pg.rank:
-                local_shards.append(Shard(local.narrow(0, box.flat_start - lo, box.numel).view(box.sizes), md))
+                local_shards.append(Shard(local.reshape(-1).narrow(0, box.flat_start - lo, box.numel).view(box.sizes),
+                                          md))
     props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
     metadata = ShardedTensorMetadata(shards_md, torch.Size(fp.shape), props)
@@ -281,7 +279,7 @@ def _load_model_state_dict(model, state_dict, info):
     """torch's, into units still on the meta device too: see [Note: resuming
     a model built on the meta device]."""
     units = _units(model)
-    meta = [pg for pg in units if pg.materializing == "meta"]
+    meta = [pg for pg in units if pg.materializing == "meta" and not pg.dtensor]  # DTensor units: torch's own way
     if meta and (info.full_state_dict or info.broadcast_from_rank0):
         ready = [pg for pg in units if pg.materializing != "meta"]
         if ready:
@@ -302,7 +300,7 @@ def _from_rank0(state_dict: dict) -> dict:
 
 def _takes_optimizers(model, optimizers, info, what: str) -> bool:
     """Whether pydist's optimizer state dict answers torch's ``what`` call."""
-    if not info.handle_optim or info.fsdp_modules or not any(pg.sharded for pg in _units(model)):
+    if not info.handle_optim or info.fsdp_modules or not any(pg.sharded and not pg.dtensor for pg in _units(model)):
         return False
     if len(optimizers) != 1:
         raise NotImplementedError(f"torch's {what} with {len(optimizers)} optimizers on a model with pydist "
@@ -366,9 +364,13 @@ def install_torch_checkpoint_api() -> None:
 
 
 def _to_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:
-    """This rank's flat piece of ``fp`` from what a state dict holds under
-    ``key``: a ShardedTensor of pydist's layout at this world size, a DTensor
-    (gathered: collective) or a full tensor."""
+    """This rank's piece of ``fp``, in its local shape, from what a state
+    dict holds under ``key``: a ShardedTensor of pydist's layout at this
+    world size, a DTensor (gathered: collective) or a full tensor."""
+    return _flat_local_piece(fp, value, key).view(fp.local_shape)
+
+
+def _flat_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
@@ -524,7 +526,7 @@ def gather_full_flat(pg) -> torch.Tensor:
     if not pg.sharded:
         return pg.shard
     full = torch.empty(pg.padded_numel, dtype=pg.dtype, device=pg.device)
-    collectives.all_gather_unit(pg.transport, pg.shard, full).wait()
+    pg.gather(pg.shard, full).wait()
     return full
 
 
@@ -690,9 +692,9 @@ def gather_pieces(pg, pieces: list, dtype: torch.dtype) -> torch.Tensor:
     shard = torch.zeros(pg.shard_numel, dtype=dtype, device=pg.device)
     for fp, piece in pieces:
         if piece is not None:
-            shard.narrow(0, fp.local_start - pg.shard_start, fp.local_numel).copy_(piece.reshape(-1))
+            shard.narrow(0, fp.shard_offset, fp.local_numel).copy_(piece.reshape(-1))
     full = torch.empty(pg.padded_numel, dtype=dtype, device=pg.device)
-    collectives.all_gather_unit(pg.transport, shard, full).wait()
+    pg.gather(shard, full).wait()
     return full
 
 

@@ -103,7 +103,7 @@ def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool, with_grads: b
         if full is not None:
             if writeback:
                 with torch.no_grad():
-                    pg.shard.copy_(full.narrow(0, pg.shard_start, pg.shard_numel))
+                    pg.shard.copy_(pg.shard_of_full(full))
                     if full_grads is not None:
                         _write_back_grads(pg, full_grads)
             _register(pg._sharded_regs)
@@ -126,7 +126,7 @@ def _write_back_grads(pg: FSDPParamGroup, full_grads: torch.Tensor) -> None:
     for fp in pg.fsdp_params:
         if not fp.sharded_param.requires_grad:
             continue
-        piece = full_grads.narrow(0, fp.local_start, fp.local_numel)
+        piece = full_grads.narrow(0, fp.local_start, fp.local_numel).view(fp.local_shape)
         if fp.sharded_param.grad is None:
             fp.sharded_param.grad = piece.clone()
         else:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from pydist import _C
 from pydist.fsdp import FSDPParamGroup, fully_shard
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import ParamModuleInfo
@@ -113,7 +114,10 @@ def _collectives_rank(rank, world_size, shm):
     g1 = torch.arange(4, dtype=torch.float32) * (rank + 1)
     grads, numels = [g0, None, g1], [6, 3, 4]
     shard_numel = -(-13 // world_size)
-    rs = collectives.reduce_scatter_grads(t, grads, numels, shard_numel, torch.float32)
+    def pack(grads, out, world_size, column, scale):
+        _C.pack_rank_major(grads, numels, out, world_size, column, shard_numel, scale)
+
+    rs = collectives.reduce_scatter_grads(t, pack, grads, shard_numel, torch.float32)
     rs.future.wait()
     out["rs"] = rs.output
     ar = collectives.all_reduce_grads(t, grads, numels, 13, torch.float32)
@@ -276,7 +280,7 @@ def test_unused_on_some_ranks_and_persistent_bytes():
         for batch_bytes, record in out["records"].items():
             _check_records(record, batch_bytes)
         _check_records(out["regathered"], None)
-        assert out["shapes"][0] == (24, 24) and len(out["shapes"][1]) == 1, out["shapes"]
+        assert out["shapes"] == [(24, 24), (12, 24)], out["shapes"]  # resharded: this rank's dim-0 chunk
 
 
 def _check_records(record, batch_bytes):
@@ -370,7 +374,7 @@ def _skipped_unit_rank(rank, world_size, batch_bytes):
         if unit is not None:
             after_forward.append((unit.sharded_state == ShardedState.SHARDED,
                                   unit.unsharded.untyped_storage().nbytes(),
-                                  model.layers[skip].weight.dim()))
+                                  tuple(model.layers[skip].weight.shape)))
         out.sum().backward()
         opt.step()
         opt.zero_grad()
@@ -385,7 +389,7 @@ def _skipped_unit_rank(rank, world_size, batch_bytes):
 @pytest.mark.parametrize("batch_bytes", [0, 1 << 20], ids=["alone", "batched"])
 def test_unit_gathered_ahead_and_skipped(batch_bytes):
     for rank, out in enumerate(run_ranks(_skipped_unit_rank, 2, args=(batch_bytes,), timeout=60)):
-        assert out["after_forward"] == [(True, 0, 1), (True, 0, 1)], f"rank {rank}: {out['after_forward']}"
+        assert out["after_forward"] == [(True, 0, (4, 8))] * 2, f"rank {rank}: {out['after_forward']}"  # a dim-0 chunk
         assert all(out["match"].values()), f"rank {rank}: {out['match']}"
 
 
