@@ -2,31 +2,52 @@
 layout, the slice of it this rank keeps, and the two tensors a module sees.
 
 [Note: what the optimizer sees]
-torch's FSDP2 gives the optimizer DTensors sharded on dim 0 (each padded to
-a multiple of the world size). pydist gives plain ``nn.Parameter``s: each is
-a 1-D view of this rank's contiguous slice of the *flattened* parameter
-(the part of ``[offset, offset + numel)`` of the unit's flat layout that
-falls in this rank's shard), possibly empty. So ``model.parameters()``
-outside forward and backward yields these 1-D local shards, their ``.grad``
-is this rank's slice of the averaged gradient, and optimizers that work
-element by element (SGD, Adam, AdamW...) step exactly as on the full
-tensors. Optimizers that need a parameter's shape (Shampoo, Muon) need
-the global view: ``pydist.fsdp.full_state_dict`` gives full tensors under
-the unwrapped module's keys. ``clip_grad_norm_`` (torch's or pydist's) takes
-the norm over every rank's shards: see [Note: the global norm of sharded
-gradients] in _clip_grad.py.
+Each door gives the optimizer what its torch API gives (see [Note: a
+unit's layout] in _fsdp_param_group.py):
+  * ``fully_shard`` (FSDP2's): DTensor parameters, see [Note: DTensor
+    parameters];
+  * ``FullyShardedDataParallel`` (FSDP1's, ``use_orig_params=True``): plain
+    ``nn.Parameter``s, each a 1-D view of this rank's contiguous slice of
+    the *flattened* parameter (the part of ``[offset, offset + numel)`` of
+    the unit's flat layout that falls in this rank's shard), possibly empty.
+Either way ``model.parameters()`` outside forward and backward yields this
+rank's pieces, their ``.grad`` is this rank's piece of the averaged
+gradient, and optimizers that work element by element (SGD, Adam, AdamW...)
+step exactly as on the full tensors. ``clip_grad_norm_`` (torch's or
+pydist's) takes the norm over every rank's pieces: DTensors carry it for
+FSDP2's door, and see [Note: the global norm of sharded gradients] in
+_clip_grad.py for FSDP1's.
+
+[Note: DTensor parameters]
+Under ``fully_shard`` a sharded parameter is a new ``nn.Parameter`` holding
+a DTensor of the parameter's full shape, placed as torch's FSDP2 places it
+(``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on a 2-D
+("replicate", "shard") one), whose local tensor is this rank's dim-0 chunk:
+a view of the unit's shard buffer, so the optimizer's in-place updates land
+in what the next all-gather sends. Its ``.grad`` is a DTensor of the same
+spec over a view of the reduce-scatter's output (``hand_grad``). So torch's
+own ``clip_grad_norm_``, ``get_total_norm``, ``GradScaler``, DTensor-API
+checkpoints (``full_tensor``, ``distribute_tensor``), DCP and
+``get_/set_model_state_dict`` see FSDP2's parameters. As under torch, the
+module's old Parameter objects are dropped (build the optimizer after
+``fully_shard``), and a unit built on the meta device holds meta DTensors
+until ``to_empty`` gives each rank its local chunks, which the user's
+initialization (DTensor ops, as under torch) fills; the unit takes them up
+at its first use (``adopt_registered``, ``shard_materialized``), as it
+takes up parameters that ``load_state_dict(assign=True)`` puts on the
+modules (torch's ``reset_sharded_param``). While a unit is unsharded its
+modules hold plain full-size parameters, views of the unsharded buffer,
+as torch's do.
 
 [Note: the Parameter objects stay]
-The module's own ``nn.Parameter`` objects become those 1-D shards (their
-``.data`` re-pointed, as torch's FSDP1 does with ``use_orig_params=True``,
-and as a meta unit's are at its first use); NO_SHARD's keep their shape.
-torch's FSDP2 registers new DTensor parameters instead, so an optimizer
-built before ``fully_shard`` steps tensors the model no longer uses and the
-model silently never trains; under pydist (both front doors) it steps the
-shards, exactly as one built after, with the same
-param groups: a script that groups parameters by ``p.dim()`` (nanoGPT's
+Under ``FullyShardedDataParallel`` the module's own ``nn.Parameter``
+objects become those 1-D shards (their ``.data`` re-pointed, as torch's
+FSDP1 does with ``use_orig_params=True``, and as a meta unit's are at its
+first use); NO_SHARD's keep their shape. So an optimizer built before
+wrapping steps the shards, exactly as one built after, with the same param
+groups: a script that groups parameters by ``p.dim()`` (nanoGPT's
 ``configure_optimizers``: weight decay for the matrices only) must build its
-groups before sharding, when the shapes are still the full ones, since
+groups before wrapping, when the shapes are still the full ones, since
 afterwards every shard is 1-D. A ``.grad`` the parameter held is dropped.
 """
 

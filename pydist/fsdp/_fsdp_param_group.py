@@ -329,7 +329,7 @@ class FSDPParamGroup:
         # unsharded parameters exist).
         self._sharded_regs = self._registrations("sharded_param")
         self._unsharded_regs: list | None = None
-        if not self.materializing:  # a meta unit's modules keep their full-size meta parameters
+        if not self.materializing or self.dtensor:  # a flat meta unit keeps the full-size meta parameters
             _register(self._sharded_regs)
         # The unsharded parameters, once they exist (NO_SHARD: now), as the
         # post-backward packs their .grads; whether any FSDPParam holds an
@@ -624,8 +624,8 @@ class FSDPParamGroup:
                     "mp_policy=MixedPrecisionPolicy(...)); materialize it with to_empty(device=...)")
             for info in fp.module_infos[1:]:
                 info.module._parameters[info.name] = p  # one Parameter per place: tie them again
+            p._pydist_fsdp_param = fp  # (swap_tensors swaps the objects' attributes too)
             if p is not fp.sharded_param:
-                p._pydist_fsdp_param = fp
                 fp.sharded_param = p
                 changed = True
             if self.materializing is not None:

@@ -89,9 +89,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
             zeros_for_unused=_zeros_for_unused, layout=_layout, mesh=mesh if _layout is Layout.SHARD0 else None,
         )
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy, replicate_group)
-    if _layout is Layout.FLAT:
-        register_state_dict_hooks(module)  # see [Note: the sharded state dict]
-    elif param_group is not None:  # DTensor parameters: torch's state dicts, and its reset after load(assign=True)
+    register_state_dict_hooks(module)  # see [Note: the sharded state dict]
+    if param_group is not None and param_group.dtensor:  # torch's reset after load_state_dict(assign=True)
         module.register_load_state_dict_post_hook(
             lambda *_: param_group.adopt_registered("load_state_dict(assign=True)"))
     install_torch_checkpoint_api()  # see [Note: torch's checkpoint helpers on pydist's shards]
@@ -234,9 +233,7 @@ class UnitModule:
         a unit built on the meta device] in _fsdp_param_group.py); another
         unit raises if its parameters were replaced."""
         out = super()._apply(fn, recurse)
-        state = state_of(self)
-        if state is not None and state.param_group is not None:
-            state.param_group.after_apply()
+        _after_apply(self)
         return out
 
     def _fsdp_states(self, recurse: bool):
@@ -357,7 +354,12 @@ def fsdp2_mixin() -> type:
         self.__init__(*args, **kwargs)
         return self
 
-    methods = {"__new__": __new__, "__doc__": fsdp2_mixin.__doc__}
+    def _apply(self, fn, recurse: bool = True):
+        out = super(FSDPModule, self)._apply(fn, recurse)  # the wrapped class's, past torch's own
+        _after_apply(self)
+        return out
+
+    methods = {"__new__": __new__, "_apply": _apply, "__doc__": fsdp2_mixin.__doc__}
     for name, value in vars(FSDPModule).items():
         if callable(value) and not name.startswith("__") and name not in vars(UnitModule):
             methods[name] = _not_implemented(name)
@@ -370,6 +372,12 @@ def unshard_handle() -> type:
     from torch.distributed.fsdp import UnshardHandle
 
     return type("UnshardHandle", (_UnshardHandle, UnshardHandle), {})
+
+
+def _after_apply(module: nn.Module) -> None:
+    state = state_of(module)
+    if state is not None and state.param_group is not None:
+        state.param_group.after_apply()
 
 
 def _not_implemented(name: str):

@@ -68,6 +68,7 @@ pydist's shards].
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -75,7 +76,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param import FSDPParam
+from pydist.fsdp._fsdp_param import FSDPParam, as_dtensor
 from pydist.fsdp._fsdp_param_group import ShardedState, TrainingState
 from pydist.fsdp._fsdp_state import state_of
 from pydist.fsdp._utils import _root_state, _units
@@ -279,7 +280,9 @@ def _load_model_state_dict(model, state_dict, info):
     """torch's, into units still on the meta device too: see [Note: resuming
     a model built on the meta device]."""
     units = _units(model)
-    meta = [pg for pg in units if pg.materializing == "meta" and not pg.dtensor]  # DTensor units: torch's own way
+    meta = [pg for pg in units if pg.materializing == "meta"]
+    if info.broadcast_from_rank0 and any(pg.dtensor for pg in units):
+        state_dict, info = _from_rank0(state_dict), dataclasses.replace(info, broadcast_from_rank0=False)
     if meta and (info.full_state_dict or info.broadcast_from_rank0):
         ready = [pg for pg in units if pg.materializing != "meta"]
         if ready:
@@ -321,6 +324,8 @@ def _get_optim_state_dict(model, optimizers, info):
 
 def _load_optim_state_dict(model, optimizers, state_dict, info):
     if not _takes_optimizers(model, optimizers, info, "set_optimizer_state_dict"):
+        if info.broadcast_from_rank0 and any(pg.dtensor for pg in _units(model)):
+            state_dict, info = _from_rank0(state_dict), dataclasses.replace(info, broadcast_from_rank0=False)
         return _torch_checkpoint_api["load"](model, optimizers, state_dict, info)
     from torch.distributed.checkpoint import state_dict as torch_state_dict
 
@@ -443,7 +448,7 @@ class _UnitStateDictHooks:
 
     def state_dict_hook(self, module, state_dict, prefix, local_metadata):
         pg = self._param_group()
-        if pg is None:
+        if pg is None or pg.dtensor:  # DTensor parameters are FSDP2's state dict as they are
             return None
         if pg.training_state is TrainingState.SUMMONED:
             return None  # the summoned full parameters, as torch's: see [Note: summoning full parameters]
@@ -473,6 +478,8 @@ class _UnitStateDictHooks:
                 raise RuntimeError(f"pydist load_state_dict: unit {where} is in {pg.training_state.name} (its "
                                    "forward or backward is running); load between iterations")
             pg.reshard()  # the shards are what loads; a later unshard gathers the new values
+        from torch.distributed.tensor import DTensor
+
         for fp, key in self._entries(pg, prefix):
             if key in state_dict:
                 mismatch = _full_shape_mismatch(fp, state_dict[key], key)
@@ -480,7 +487,12 @@ class _UnitStateDictHooks:
                     error_msgs.append(mismatch)
                     state_dict[key] = fp.sharded_param.detach()  # load_state_dict copies the shard onto itself
                     continue
-                state_dict[key] = _to_local_piece(fp, state_dict[key], key)
+                value = state_dict[key]
+                if pg.dtensor and isinstance(value, DTensor) and value._spec.placements == fp.spec.placements \
+                        and value._spec.mesh == fp.spec.mesh:
+                    continue  # torch's load copies it local to local
+                piece = _to_local_piece(fp, value, key)
+                state_dict[key] = as_dtensor(piece, fp.spec) if pg.dtensor else piece
 
 
 # [Note: shape-checked loads]

@@ -84,6 +84,7 @@ def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None 
     def storage_bytes(tensors) -> int:
         total = 0
         for t in tensors:
+            t = getattr(t, "_local_tensor", t)  # a DTensor's bytes are its local tensor's
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in seen:

@@ -46,13 +46,15 @@ def _oracle(local: list, norm_type: float, replicated: list = ()) -> float:
 
 
 def _sharded_model(shm: bool, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from pydist import fully_shard
+    """FSDP1's door: its gradients are plain 1-D pieces, which pydist's norm
+    counts over the ranks (fully_shard's are DTensors: torch's own norm)."""
+    from pydist import FullyShardedDataParallel
 
     torch.manual_seed(0)
     model = Nested().to(dtype)
-    for unit in model.units():
-        fully_shard(unit, shm=shm)
-    return fully_shard(model, shm=shm)
+    units = set(model.units())
+    policy = lambda module, recurse, nonwrapped_numel: recurse or module in units  # noqa: E731
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, shm=shm)
 
 
 def _clip_rank(rank: int, world_size: int) -> dict:

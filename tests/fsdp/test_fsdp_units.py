@@ -208,8 +208,8 @@ def _unused_and_memory_rank(rank, world_size, _unused):
     measured = persistent_bytes(big, opt)
     units = [layer._pydist_fsdp_state.param_group for layer in big]
     unsharded_bytes = sum(u.unsharded.untyped_storage().nbytes() for u in units)
-    shard_bytes = sum(-(-u.total_numel // world_size) * 4 for u in units)
-    local_numel = sum(p.numel() for p in big.parameters())
+    shard_bytes = sum(u.shard_numel * 4 for u in units)
+    local_numel = sum(p.to_local().numel() for p in big.parameters())  # DTensors: this rank's chunks
     adam_bytes = 2 * 4 * local_numel + 4 * sum(1 for _ in big.parameters())  # exp_avg, exp_avg_sq, step
     pool_bytes = sum(slot.memory.untyped_storage().nbytes() for slot in pool.slots if slot.memory is not None)
     largest_batch = sum(-(-u.padded_numel * 4 // 64) * 64 for u in units)  # this small model gathers in one batch

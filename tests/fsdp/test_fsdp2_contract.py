@@ -1,0 +1,193 @@
+"""FSDP2's contract: a training script written against torch's FSDP2 API runs
+with only the import of ``fully_shard`` changed, bitwise torch's.
+
+The script (``_script``) is what an FSDP2 user writes: transformer blocks
+built on the meta device, ``fully_shard`` per block and on the root with a
+``MixedPrecisionPolicy``, ``to_empty`` and initialization through DTensors,
+explicit forward and backward prefetch, AdamW with ``clip_grad_norm_``
+every step, a DTensor-API checkpoint (``full_tensor``) and a DCP one, and a
+resume into a fresh meta model with ``set_model_state_dict(...,
+broadcast_from_rank0=True)`` and ``set_optimizer_state_dict``. Each rank runs
+it twice, once per ``fully_shard`` (torch's, pydist's), on the same seeds
+and data; losses, norms, parameters, optimizer state and checkpoints must be
+equal bit for bit (two ranks: every sum of two terms is exact in either
+order). See [Note: DTensor parameters] in pydist/fsdp/_fsdp_param.py and
+[Note: a unit's layout] in _fsdp_param_group.py.
+"""
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist.spawn import run_ranks
+
+DIM, HEADS, VOCAB, SEQ = 16, 2, 24, 6
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 3 * DIM), nn.GELU(), nn.Linear(3 * DIM, DIM))
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class LM(nn.Module):
+    def __init__(self, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block() for _ in range(layers)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def init_weights(self):
+        """Through DTensor ops on the sharded parameters, as FSDP2 scripts do."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias") or ".norm." in name:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            else:
+                nn.init.trunc_normal_(p, std=0.02)
+
+
+def _build(fully_shard, mp):
+    with torch.device("meta"):
+        model = LM()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    # explicit prefetch, as torchtitan sets it
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    return model
+
+
+def _script(fully_shard, rank: int, ckpt_dir: str, mp) -> dict:
+    """An FSDP2 training script; ``fully_shard`` is the only thing swapped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    torch.manual_seed(0)
+    model = _build(fully_shard, mp)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    out = {"isinstance": isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.blocks),
+           "placements": all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses, norms = [], []
+
+    def step():
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.roll(1, 1).flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5).full_tensor().item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    for _ in range(3):
+        step()
+    # DTensor-API checkpoint: full tensors gathered per parameter
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    # DCP checkpoint of model and optimizer
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=os.path.join(ckpt_dir, "dcp"))
+    full_osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out["full"] = full
+    out["full_osd"] = full_osd["state"]
+    for _ in range(2):
+        step()
+    out["after"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # resume: a fresh meta model, rank 0's full state broadcast into it
+    torch.manual_seed(1)
+    resumed = _build(fully_shard, mp)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # (torch's loaders put their own values into the dicts they are given: each gets a copy)
+    set_model_state_dict(resumed, copy.deepcopy(full) if rank == 0 else {}, options=options)
+    ropt = torch.optim.AdamW(resumed.parameters(), lr=1e-2, weight_decay=0.1)
+    set_optimizer_state_dict(resumed, ropt, copy.deepcopy(full_osd) if rank == 0 else {}, options=options)
+    model, opt = resumed, ropt
+    resumed_losses = len(losses)
+    for _ in range(2):
+        step()
+    out["resumed"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    out["resumed_losses"] = losses[resumed_losses:]
+    # and the DCP checkpoint loads into the resumed model, giving back step 3's values
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
+    set_model_state_dict(model, sd["model"])
+    out["dcp_loaded"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    out["losses"], out["norms"] = losses, norms
+    return out
+
+
+def _rank(rank, world_size, ckpt_dir, bf16):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import pydist
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    results = {}
+    for name, fn in (("torch", torch_fully_shard), ("pydist", pydist.fully_shard)):
+        d = os.path.join(ckpt_dir, name)
+        os.makedirs(d, exist_ok=True)
+        results[name] = _script(fn, rank, d, mp)
+    ref, got = results["torch"], results["pydist"]
+    mismatches = []
+    for key in ("losses", "norms", "full", "full_osd", "after", "resumed", "resumed_losses", "dcp_loaded"):
+        _compare(ref[key], got[key], key, mismatches)
+    return {"isinstance": got["isinstance"], "placements": got["placements"], "mismatches": mismatches}
+
+
+def _compare(a, b, what: str, mismatches: list) -> None:
+    """Appends where ``b`` is not bitwise ``a`` (nested dicts, lists, tensors, DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    a, b = (x.full_tensor() if isinstance(x, DTensor) else x for x in (a, b))
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            mismatches.append(f"{what}: keys {sorted(map(str, a))} != {sorted(map(str, b))}")
+            return
+        for k in a:
+            _compare(a[k], b[k], f"{what}[{k}]", mismatches)
+    elif isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
+            diff = (a.float() - b.float()).abs().max().item() if isinstance(b, torch.Tensor) and a.shape == b.shape \
+                else f"{type(b).__name__} {getattr(b, 'shape', '')}"
+            mismatches.append(f"{what}: max |diff| {diff}")
+    elif a != b:
+        mismatches.append(f"{what}: {a} != {b}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_fsdp2_script_with_only_the_import_changed(bf16):
+    with tempfile.TemporaryDirectory() as d:
+        results = run_ranks(_rank, 2, args=(d, bf16), timeout=200)
+    for rank, r in enumerate(results):
+        assert r["isinstance"] and r["placements"], f"rank {rank}"
+        assert not r["mismatches"], f"rank {rank}: " + "; ".join(r["mismatches"][:8])
