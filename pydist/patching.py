@@ -21,7 +21,42 @@ import sys
 import warnings
 from typing import NamedTuple
 
-__all__ = ["TorchPatch", "patch_torch"]
+__all__ = ["TorchPatch", "patch_torch", "IMPORT_CHANGES"]
+
+# [Note: what importing pydist changes in torch]
+# Besides patch_torch (asked for), importing pydist, or using a door, changes
+# these of torch's attributes. Each exists for FullyShardedDataParallel's
+# door, whose gradients and state dicts are plain pieces of a flat layout
+# and ShardedTensors rather than DTensors; each passes anything else (DTensors,
+# fully_shard's modules, plain tensors, torch's own wrappers) to torch's own
+# code unchanged, so fully_shard and DDP get torch's results unpatched.
+# tests/test_patching.py checks that this list is what is in place.
+class _Change(NamedTuple):
+    attribute: str  # "module:attribute" of torch's
+    installed_by: str  # when it is put in place
+    why: str
+
+
+IMPORT_CHANGES = (
+    _Change("torch.nn.utils.clip_grad:_get_total_norm", "import pydist",
+            "clip_grad_norm_ counts every rank's FSDP1-door shards ([Note: the global norm of sharded gradients])"),
+    _Change("torch.nn.utils:get_total_norm", "import pydist", "the same, for get_total_norm"),
+    _Change("torch.amp.grad_scaler:GradScaler._unscale_grads_", "import pydist",
+            "an inf in one rank's FSDP1-door shard is found on every rank ([Note: one found_inf for every rank])"),
+    _Change("torch.distributed.checkpoint.state_dict:_get_optim_state_dict", "the first fully_shard",
+            "get_optimizer_state_dict of FSDP1-door shards ([Note: torch's checkpoint helpers on pydist's shards])"),
+    _Change("torch.distributed.checkpoint.state_dict:_load_optim_state_dict", "the first fully_shard",
+            "set_optimizer_state_dict: FSDP1-door shards; broadcast_from_rank0, flattened dicts and shape checks "
+            "for fully_shard's, where torch's own fails or takes a transposed tensor"),
+    _Change("torch.distributed.checkpoint.state_dict:_load_model_state_dict", "the first fully_shard",
+            "set_model_state_dict into a meta model, and broadcast_from_rank0 over gloo ([Note: resuming a model "
+            "built on the meta device])"),
+    _Change("torch.distributed._state_dict_utils:_all_gather_sharded_tensor", "a FSDP1-door state dict",
+            "a full gather of pydist's ShardedTensors (torch's assumes its own dim-0 chunks)"),
+    _Change("torch.optim.optimizer:register_optimizer_step_pre_hook", "the first fully_shard",
+            "a global step pre-hook: an optimizer stepping parameters fully_shard replaced raises "
+            "([Note: DTensor parameters])"),
+)
 
 # [Note: what patch_torch reaches]
 # A name is looked up either when code runs (`torch.nn.parallel.DistributedDataParallel(model)`,

@@ -90,3 +90,27 @@ def test_pydist_ddp_under_the_patch_marks_torchs_class_as_the_active_ddp_module(
         assert "_active_ddp_module" not in vars(pydist.DistributedDataParallel)
     finally:
         dist.destroy_process_group()
+
+
+def test_import_changes_list_what_pydist_puts_in_torchs_place():
+    """[Note: what importing pydist changes in torch]: each attribute listed
+    is pydist's once its installer ran, and nothing else of torch's names is."""
+    import importlib
+
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (the helpers are replaced once imported)
+
+    import pydist
+    from pydist.fsdp import _state_dict
+    from pydist.patching import IMPORT_CHANGES
+
+    _state_dict.install_torch_checkpoint_api()
+    _state_dict._install_full_gather()
+    for change in IMPORT_CHANGES:
+        module_name, attribute = change.attribute.split(":")
+        if attribute == "register_optimizer_step_pre_hook":
+            continue  # a hook torch keeps in its own table, not an attribute
+        value = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+        assert value.__module__.startswith("pydist."), f"{change.attribute} is {value.__module__}'s"
+    assert pydist.fully_shard.__module__.startswith("pydist.")

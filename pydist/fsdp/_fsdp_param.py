@@ -28,9 +28,13 @@ in what the next all-gather sends. Its ``.grad`` is a DTensor of the same
 spec over a view of the reduce-scatter's output (``hand_grad``). So torch's
 own ``clip_grad_norm_``, ``get_total_norm``, ``GradScaler``, DTensor-API
 checkpoints (``full_tensor``, ``distribute_tensor``), DCP and
-``get_/set_model_state_dict`` see FSDP2's parameters. As under torch, the
-module's old Parameter objects are dropped (build the optimizer after
-``fully_shard``), and a unit built on the meta device holds meta DTensors
+``get_/set_model_state_dict`` see FSDP2's parameters. The
+module's old Parameter objects are replaced, as under torch: build the
+optimizer after ``fully_shard``. Under torch an optimizer built before
+silently never trains (it steps tensors that get no gradient); pydist
+marks the old objects, and an optimizer's first step over one raises,
+naming it (``_replace``; one check per optimizer, not per step). A unit built on
+the meta device holds meta DTensors
 until ``to_empty`` gives each rank its local chunks, which the user's
 initialization (DTensor ops, as under torch) fills; the unit takes them up
 at its first use (``adopt_registered``, ``shard_materialized``), as it
@@ -53,6 +57,7 @@ afterwards every shard is 1-D. A ``.grad`` the parameter held is dropped.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -62,6 +67,51 @@ if TYPE_CHECKING:
     from pydist.fsdp._fsdp_param_group import Column
 
 __all__ = ["FSDPParam", "ParamModuleInfo", "as_dtensor", "dtensor_spec"]
+
+
+def _replace(param: nn.Parameter, new: nn.Parameter, fqn: str) -> nn.Parameter:
+    """``new`` (the DTensor parameter) in ``param``'s place, as torch's
+    FSDP2 registers new parameters; ``param`` is marked, so an optimizer
+    that still steps it raises rather than never training (see [Note:
+    DTensor parameters]). ``param`` keeps its values."""
+    new.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_pydist")})  # a user's tags
+    param._pydist_replaced_as = fqn
+    param.grad = None
+    _refuse_replaced_parameters()
+    return new
+
+
+# Per optimizer, its param_groups' sizes when it was last checked.
+_checked_optimizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_check_installed = False
+
+
+def _refuse_replaced_parameters() -> None:
+    """Once per process: every optimizer's first step (and its first after
+    its param_groups change) checks that it steps no parameter ``fully_shard``
+    replaced."""
+    global _check_installed
+    if not _check_installed:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _check_installed = True
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    groups = optimizer.param_groups
+    shape = tuple(len(g["params"]) for g in groups)
+    if _checked_optimizers.get(optimizer) == shape:
+        return
+    for g in groups:
+        for p in g["params"]:
+            fqn = getattr(p, "_pydist_replaced_as", None)
+            if fqn is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} steps parameter {fqn} as it was before pydist.fully_shard, which "
+                    "replaced it with a DTensor parameter (as torch's FSDP2 does): it gets no gradient and would "
+                    "never train. Build the optimizer after fully_shard, from model.parameters()")
+    _checked_optimizers[optimizer] = shape
 
 
 def as_dtensor(local: torch.Tensor, spec):
@@ -131,8 +181,8 @@ class FSDPParam:
         # The shape of that part: 1-D in the flat layout; the rows it keeps
         # under the dim-0 layout (a parameter of dim 0 or without rows: 1-D).
         rows = column.rows
-        self.local_shape = (torch.Size([(hi - lo) // (self.numel // self.shape[0])]) + self.shape[1:]
-                            if rows and self.numel else torch.Size([hi - lo]))
+        self.local_shape = (torch.Size([min(max(self.shape[0] - rank * rows, 0), rows)]) + self.shape[1:]
+                            if rows else torch.Size([hi - lo]))
         # The parameter the optimizer sees: a view of the shard buffer
         # (see [Note: what the optimizer sees]). Lives as long as the unit.
         # It is the module's own Parameter object, pointed at its piece, so
@@ -143,7 +193,8 @@ class FSDPParam:
         # (see [Note: DTensor parameters]); None: plain tensors.
         self.spec = spec
         if spec is not None:
-            self.sharded_param = nn.Parameter(as_dtensor(view, spec), requires_grad=param.requires_grad)
+            self.sharded_param = _replace(param, nn.Parameter(as_dtensor(view, spec), requires_grad=param.requires_grad),
+                                          fqn)
         elif param.is_meta:
             self.sharded_param = nn.Parameter(view, requires_grad=param.requires_grad)
         else:

@@ -153,14 +153,14 @@ class Column(NamedTuple):
     offset: int  # where it starts in the unsharded buffer
     shard_offset: int  # where a rank's cut starts in the shard buffer
     width: int  # elements per rank
-    rows: bool  # cut along dim 0 of its one parameter (SHARD0); else flat
+    rows: int  # SHARD0: rows of its one parameter per rank (the cut is along dim 0); 0: flat
 
 
 def _lay_out(shapes: Sequence[torch.Size], layout: Layout, world_size: int) -> tuple[list, list]:
     """The columns of a unit of parameters of ``shapes``, and per parameter
     (its column, where it starts in the unsharded buffer)."""
     if layout is Layout.FLAT:
-        column = Column(0, 0, -(-sum(s.numel() for s in shapes) // world_size), False)
+        column = Column(0, 0, -(-sum(s.numel() for s in shapes) // world_size), 0)
         places, offset = [], 0
         for shape in shapes:
             places.append((column, offset))
@@ -169,8 +169,8 @@ def _lay_out(shapes: Sequence[torch.Size], layout: Layout, world_size: int) -> t
     columns, places, shard_offset = [], [], 0
     for shape in shapes:
         numel = shape.numel()
-        rows = len(shape) > 0 and shape[0] > 0
-        width = -(-shape[0] // world_size) * (numel // shape[0]) if rows else -(-numel // world_size)
+        rows = -(-shape[0] // world_size) if len(shape) > 0 else 0
+        width = rows * shape[1:].numel() if rows else -(-numel // world_size)
         column = Column(world_size * shard_offset, shard_offset, width, rows)
         columns.append(column)
         places.append((column, column.offset))

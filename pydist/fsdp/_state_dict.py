@@ -68,6 +68,7 @@ pydist's shards].
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -324,8 +325,19 @@ def _get_optim_state_dict(model, optimizers, info):
 
 def _load_optim_state_dict(model, optimizers, state_dict, info):
     if not _takes_optimizers(model, optimizers, info, "set_optimizer_state_dict"):
-        if info.broadcast_from_rank0 and any(pg.dtensor for pg in _units(model)):
-            state_dict, info = _from_rank0(state_dict), dataclasses.replace(info, broadcast_from_rank0=False)
+        if any(pg.dtensor for pg in _units(model)):
+            if info.broadcast_from_rank0:
+                state_dict, info = _from_rank0(state_dict), dataclasses.replace(info, broadcast_from_rank0=False)
+            if len(optimizers) == 1 and state_dict and "state" not in state_dict:
+                # flatten_optimizer_state_dict's layout into an optimizer with no
+                # state yet, which torch's own load fails on (KeyError, FSDP2 too)
+                from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+                torch_state_dict._init_optim_state(optimizers[0])
+                state_dict = torch_state_dict._unflatten_optim_state_dict(optimizers[0], state_dict, info)
+                info = dataclasses.replace(info, flatten_optimizer_state_dict=False)
+            for optimizer in optimizers if len(optimizers) == 1 else ():
+                check_optimizer_shapes(model, optimizer, state_dict)  # see [Note: shape-checked loads]
         return _torch_checkpoint_api["load"](model, optimizers, state_dict, info)
     from torch.distributed.checkpoint import state_dict as torch_state_dict
 
@@ -448,7 +460,13 @@ class _UnitStateDictHooks:
 
     def state_dict_hook(self, module, state_dict, prefix, local_metadata):
         pg = self._param_group()
-        if pg is None or pg.dtensor:  # DTensor parameters are FSDP2's state dict as they are
+        if pg is None:
+            return None
+        if pg.dtensor:  # DTensor parameters are FSDP2's state dict as they are; an unsharded unit's too
+            if pg.sharded_state is not ShardedState.SHARDED:
+                for fp, key in self._entries(pg, prefix):
+                    if key in state_dict:
+                        state_dict[key] = fp.sharded_param.detach()
             return None
         if pg.training_state is TrainingState.SUMMONED:
             return None  # the summoned full parameters, as torch's: see [Note: summoning full parameters]
@@ -639,6 +657,20 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
+def _dtensor_model(module: nn.Module) -> bool:
+    """Whether ``module``'s units are ``fully_shard``'s (DTensor parameters):
+    then torch's own checkpoint helpers answer (see [Note: DTensor
+    parameters] in _fsdp_param.py), and pydist's optimizer helpers hand over to them."""
+    return any(pg.dtensor for pg in _units(module))
+
+
+def _torch_optimizer_state_dict(module, optimizer, full: bool, rank0_only: bool = False) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_get
+
+    return torch_get(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=rank0_only))
+
+
 def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, copies: bool = False) -> dict:
     """The optimizer's state by parameter key (torch's
     ``get_optimizer_state_dict`` layout: ``{"state": {key: {name: value}},
@@ -650,8 +682,12 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     rank. So element-wise optimizers' state reshards with DCP like the
     parameters. Creates the state if the optimizer has none yet and no
     gradients (see ``_ensure_optimizer_state``). ``copies``: every tensor
-    copied instead (a snapshot that later steps leave as it is)."""
+    copied instead (a snapshot that later steps leave as it is).
+    ``fully_shard``'s modules: torch's ``get_optimizer_state_dict`` (DTensors)."""
     _root_state(module)
+    if _dtensor_model(module):
+        osd = _torch_optimizer_state_dict(module, optimizer, full=False)
+        return copy.deepcopy(osd) if copies else osd
     _ensure_optimizer_state(optimizer)
     entries = _optimizer_entries(module, optimizer)
     state_out: dict[str, dict] = {}
@@ -673,8 +709,10 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     unit's full state exists one at a time), on every rank, or rank 0's and
     ``{}`` elsewhere with ``rank0_only`` (torch FSDP1's
     ``FullOptimStateDictConfig``). ``set_optimizer_state_dict`` loads it at
-    any world size."""
+    any world size. ``fully_shard``'s modules: torch's ``get_optimizer_state_dict``."""
     root = _root_state(module)
+    if _dtensor_model(module):
+        return _torch_optimizer_state_dict(module, optimizer, full=True, rank0_only=rank0_only)
     _ensure_optimizer_state(optimizer)
     entries = _optimizer_entries(module, optimizer)
     # Copies of what is not gathered below (the gathered values are new tensors already).
@@ -758,12 +796,7 @@ def optimizer_state_dict_to_load(module: nn.Module, optimizer: torch.optim.Optim
         per_param = {}
         for name, value in saved.items():
             fp = e.fsdp_param
-            if (fp is not None and fp.numel > 0 and isinstance(value, torch.Tensor)
-                    and not isinstance(value, ShardedTensor) and value.dim() >= 1 and value.numel() == fp.numel
-                    and value.shape != fp.shape):
-                raise ValueError(  # see [Note: shape-checked loads]
-                    f"pydist optimizer state dict: size mismatch for {e.key!r} state {name!r}: a tensor of shape "
-                    f"{tuple(value.shape)}, the parameter is {tuple(fp.shape)} (rank {fp.param_group.rank})")
+            _check_state_shape(e, name, value)
             if fp is not None and (isinstance(value, (ShardedTensor, DTensor)) or
                                    (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == fp.shape)):
                 value = _to_local_piece(fp, value, f"{e.key} optimizer state {name!r}")
@@ -774,6 +807,32 @@ def optimizer_state_dict_to_load(module: nn.Module, optimizer: torch.optim.Optim
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(i, i + n))})
         i += n
     return {"state": new_state, "param_groups": groups}
+
+
+def _check_state_shape(entry: _OptimizerEntry, name: str, value: Any) -> None:
+    """Refuses a full state tensor with the parameter's number of elements
+    but another shape (see [Note: shape-checked loads])."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    fp = entry.fsdp_param
+    if (fp is not None and fp.numel > 0 and isinstance(value, torch.Tensor)
+            and not isinstance(value, (ShardedTensor, DTensor)) and value.dim() >= 1 and value.numel() == fp.numel
+            and value.shape != fp.shape):
+        raise ValueError(
+            f"pydist optimizer state dict: size mismatch for {entry.key!r} state {name!r}: a tensor of shape "
+            f"{tuple(value.shape)}, the parameter is {tuple(fp.shape)} (rank {fp.param_group.rank})")
+
+
+def check_optimizer_shapes(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """``_check_state_shape`` over a dict keyed by parameter name (a
+    flattened one, without "state", is left to torch)."""
+    saved = state_dict.get("state")
+    if not isinstance(saved, dict):
+        return
+    for e in _optimizer_entries(module, optimizer):
+        for name, value in saved.get(e.key, {}).items():
+            _check_state_shape(e, name, value)
 
 
 def rekey_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict,
@@ -797,5 +856,16 @@ def rekey_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-    """Loads ``optimizer_state_dict_to_load``'s answer into ``optimizer``."""
+    """Loads ``optimizer_state_dict_to_load``'s answer into ``optimizer``
+    (``fully_shard``'s modules: torch's ``set_optimizer_state_dict``, full
+    or sharded as the dict is)."""
+    if _dtensor_model(module):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict as torch_set
+        from torch.distributed.tensor import DTensor
+
+        sharded = any(isinstance(v, DTensor) for per in state_dict.get("state", {}).values() for v in per.values())
+        check_optimizer_shapes(module, optimizer, state_dict)
+        torch_set(module, optimizer, state_dict, options=StateDictOptions(full_state_dict=not sharded))
+        return
     optimizer.load_state_dict(optimizer_state_dict_to_load(module, optimizer, state_dict))

@@ -11,7 +11,7 @@ broadcast_from_rank0=True)`` and ``set_optimizer_state_dict``. Each rank runs
 it twice, once per ``fully_shard`` (torch's, pydist's), on the same seeds
 and data; losses, norms, parameters, optimizer state and checkpoints must be
 equal bit for bit (two ranks: every sum of two terms is exact in either
-order). See [Note: DTensor parameters] in pydist/fsdp/_fsdp_param.py and
+order), at 2 ranks and on a 2 x 2 HSDP mesh at 4 (two sums of two). See [Note: DTensor parameters] in pydist/fsdp/_fsdp_param.py and
 [Note: a unit's layout] in _fsdp_param_group.py.
 """
 
@@ -63,12 +63,12 @@ class LM(nn.Module):
                 nn.init.trunc_normal_(p, std=0.02)
 
 
-def _build(fully_shard, mp):
+def _build(fully_shard, mp, mesh):
     with torch.device("meta"):
         model = LM()
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, mesh=mesh)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
     # explicit prefetch, as torchtitan sets it
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
@@ -79,7 +79,7 @@ def _build(fully_shard, mp):
     return model
 
 
-def _script(fully_shard, rank: int, ckpt_dir: str, mp) -> dict:
+def _script(fully_shard, rank: int, ckpt_dir: str, mp, mesh) -> dict:
     """An FSDP2 training script; ``fully_shard`` is the only thing swapped."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -88,12 +88,13 @@ def _script(fully_shard, rank: int, ckpt_dir: str, mp) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     torch.manual_seed(0)
-    model = _build(fully_shard, mp)
+    model = _build(fully_shard, mp, mesh)
     model.to_empty(device="cpu")
     model.init_weights()
     out = {"isinstance": isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.blocks),
-           "placements": all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())}
+           "placements": all(isinstance(p, DTensor) and p.placements == placements for p in model.parameters())}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     losses, norms = [], []
@@ -122,7 +123,7 @@ def _script(fully_shard, rank: int, ckpt_dir: str, mp) -> dict:
     out["after"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
     # resume: a fresh meta model, rank 0's full state broadcast into it
     torch.manual_seed(1)
-    resumed = _build(fully_shard, mp)
+    resumed = _build(fully_shard, mp, mesh)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # (torch's loaders put their own values into the dicts they are given: each gets a copy)
     set_model_state_dict(resumed, copy.deepcopy(full) if rank == 0 else {}, options=options)
@@ -143,7 +144,8 @@ def _script(fully_shard, rank: int, ckpt_dir: str, mp) -> dict:
     return out
 
 
-def _rank(rank, world_size, ckpt_dir, bf16):
+def _rank(rank, world_size, ckpt_dir, bf16, hsdp):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -151,11 +153,13 @@ def _rank(rank, world_size, ckpt_dir, bf16):
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
+    mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (world_size,)))
     results = {}
     for name, fn in (("torch", torch_fully_shard), ("pydist", pydist.fully_shard)):
         d = os.path.join(ckpt_dir, name)
         os.makedirs(d, exist_ok=True)
-        results[name] = _script(fn, rank, d, mp)
+        results[name] = _script(fn, rank, d, mp, mesh)
     ref, got = results["torch"], results["pydist"]
     mismatches = []
     for key in ("losses", "norms", "full", "full_osd", "after", "resumed", "resumed_losses", "dcp_loaded"):
@@ -184,10 +188,12 @@ def _compare(a, b, what: str, mismatches: list) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_fsdp2_script_with_only_the_import_changed(bf16):
+@pytest.mark.parametrize("bf16,hsdp", [(False, False), (True, False), (False, True)],
+                         ids=["fp32", "bf16", "hsdp-2x2-fp32"])
+def test_fsdp2_script_with_only_the_import_changed(bf16, hsdp):
+    """At 2 ranks; HSDP on a 2 x 2 ("replicate", "shard") mesh at 4."""
     with tempfile.TemporaryDirectory() as d:
-        results = run_ranks(_rank, 2, args=(d, bf16), timeout=200)
+        results = run_ranks(_rank, 4 if hsdp else 2, args=(d, bf16, hsdp), timeout=200)
     for rank, r in enumerate(results):
         assert r["isinstance"] and r["placements"], f"rank {rank}"
         assert not r["mismatches"], f"rank {rank}: " + "; ".join(r["mismatches"][:8])

@@ -1,11 +1,13 @@
 """A model built on the meta device, as FSDP2's recipe builds one too large
 for a device (``with torch.device("meta")``, ``fully_shard`` bottom-up,
 ``to_empty(device="cpu")``, initialize, then the optimizer), trains bitwise
-as the same model built on the CPU from the same seed and then sharded; and
-what is refused on the way names what to do. pydist.FullyShardedDataParallel
-materializes a meta model as torch's FSDP1 does, bitwise. Spawned gloo ranks.
-See [Note: a unit built on the meta device] in pydist/fsdp/_fsdp_param_group.py
-and [Note: FSDP1's meta-device init] in _fully_sharded_data_parallel.py."""
+as torch's FSDP2 trains it (the initialization runs on DTensors, each rank
+its chunks, as torch's); resumes from checkpoints; and what is refused on
+the way names what to do. pydist.FullyShardedDataParallel materializes a
+meta model as torch's FSDP1 does, bitwise. Spawned gloo ranks. See [Note:
+DTensor parameters] in pydist/fsdp/_fsdp_param.py, [Note: a unit built on
+the meta device] in _fsdp_param_group.py and [Note: FSDP1's meta-device
+init] in _fully_sharded_data_parallel.py."""
 
 import os
 import sys
@@ -43,12 +45,15 @@ class TiedLM(nn.Module):
         self.block[0].reset_parameters()
 
 
-def _shard(model: nn.Module, on_meta: bool, **kwargs) -> nn.Module:
+def _shard(model: nn.Module, on_meta: bool, impl: str = "pydist", **kwargs) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     from pydist import fully_shard
 
+    shard = fully_shard if impl == "pydist" else torch_fully_shard
     for unit in model.units():
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+        shard(unit, **kwargs)
+    shard(model, **kwargs)
     if on_meta:
         model.to_empty(device="cpu")
         _initialize(model)
@@ -65,7 +70,7 @@ def _initialize(model: nn.Module) -> None:
             m.reset_parameters()
 
 
-def _build(on_meta: bool, cls=Nested, **kwargs) -> nn.Module:
+def _build(on_meta: bool, cls=Nested, impl: str = "pydist", **kwargs) -> nn.Module:
     if on_meta:
         with torch.device("meta"):
             model = cls()
@@ -74,11 +79,11 @@ def _build(on_meta: bool, cls=Nested, **kwargs) -> nn.Module:
         model = cls()
         if cls is TiedLM:
             _initialize(model)  # as the meta build will (the constructor also drew the head's own init)
-    return _shard(model, on_meta, **kwargs)
+    return _shard(model, on_meta, impl, **kwargs)
 
 
 def _train(model: nn.Module, rank: int):
-    from pydist.fsdp import full_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     params = list(opt.param_groups[0]["params"])
@@ -91,26 +96,27 @@ def _train(model: nn.Module, rank: int):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    # The optimizer stepped on the shards: the Parameter objects it was given
-    # before the first forward are the 1-D shards now, and the modules hold them.
+    # The optimizer stepped on the parameters the modules hold (DTensors, as torch's).
     shards = {id(p) for p in model.parameters()}
-    on_shards = all(p.dim() == 1 and id(p) in shards for p in params) and len(params) == len(shards)
-    return losses, full_state_dict(model), on_shards
+    on_shards = all(id(p) in shards for p in params) and len(params) == len(shards)
+    return losses, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), on_shards
 
 
 def _meta_rank(rank, world_size):
+    """torch's FSDP2 and pydist's, on the same model built on the meta device
+    and initialized through DTensors (each rank its chunks, as torch's
+    DTensor init does on the CPU), and on the CPU."""
     out = {}
-    out["cpu"] = _train(_build(on_meta=False), rank)
-    out["meta"] = _train(_build(on_meta=True), rank)
-    # A weight tied across two modules of one unit (to_empty makes two
-    # Parameters of it: tied again), computing in bf16.
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    for impl in ("torch", "pydist"):
+        out["cpu", impl] = _train(_build(False, impl=impl), rank)
+        out["meta", impl] = _train(_build(True, impl=impl), rank)
+        # A weight tied across two modules of one unit, computing in bf16.
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    out["tied_cpu"] = _train(_build(False, TiedLM, mp_policy=mp), rank)
-    tied = _build(True, TiedLM, mp_policy=mp)
-    out["tied_is_tied"] = tied.head.weight is tied.embed.weight
-    out["tied_meta"] = _train(tied, rank)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        tied = _build(True, TiedLM, impl=impl, mp_policy=mp)
+        out["tied_is_tied", impl] = tied.head.weight is tied.embed.weight
+        out["tied_meta", impl] = _train(tied, rank)
 
     def message(fn):
         try:
@@ -134,17 +140,18 @@ def _meta_rank(rank, world_size):
     return out
 
 
-@pytest.mark.timeout(120)
-def test_meta_device_build_trains_bitwise_as_a_cpu_build():
-    for rank, out in enumerate(run_ranks(_meta_rank, 2, timeout=100)):
-        for cpu, meta in (("cpu", "meta"), ("tied_cpu", "tied_meta")):
-            (cpu_losses, cpu_sd, cpu_on_shards), (meta_losses, meta_sd, meta_on_shards) = out[cpu], out[meta]
-            assert meta_losses == cpu_losses, (rank, meta, meta_losses, cpu_losses)
-            assert meta_sd.keys() == cpu_sd.keys()
-            for key in cpu_sd:
-                assert torch.equal(meta_sd[key], cpu_sd[key]), (rank, meta, key)
-            assert cpu_on_shards and meta_on_shards, (rank, meta)
-        assert out["tied_is_tied"], rank
+@pytest.mark.timeout(150)
+def test_meta_device_build_trains_bitwise_as_torchs_fsdp2():
+    for rank, out in enumerate(run_ranks(_meta_rank, 2, timeout=130)):
+        for flow in ("cpu", "meta", "tied_meta"):
+            (ref_losses, ref_sd, _), (losses, sd, on_shards) = out[flow, "torch"], out[flow, "pydist"]
+            assert losses == ref_losses, (rank, flow, losses, ref_losses)
+            assert sd.keys() == ref_sd.keys()
+            for key in ref_sd:
+                assert torch.equal(sd[key], ref_sd[key]), (rank, flow, key)
+            assert on_shards, (rank, flow)
+        assert out["meta", "pydist"][0] != out["cpu", "pydist"][0]  # DTensor init draws per chunk: another model
+        assert out["tied_is_tied", "pydist"] == out["tied_is_tied", "torch"], rank
         assert "still on the meta device" in out["forward_on_meta"] and "to_empty(device='cpu')" in out["forward_on_meta"]
         assert out["cast"].startswith("NotImplementedError") and "before fully_shard" in out["cast"], out["cast"]
         assert out["same_device"] == "no error", out["same_device"]

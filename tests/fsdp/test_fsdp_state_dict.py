@@ -1,6 +1,7 @@
 """State dicts and checkpoints of pydist's sharded wrapper beside torch's
 FSDP2 (``torch.distributed.fsdp.fully_shard``), on spawned gloo ranks:
-``model.state_dict()`` as ShardedTensors saved and loaded with
+``model.state_dict()`` as DTensors (``fully_shard``) and ShardedTensors
+(FSDP1's door, and the flat layout's boxes) saved and loaded with
 ``torch.distributed.checkpoint`` (DCP) at the same world size, resharded
 2 -> 1, 2 -> 4, 4 -> 2, moved both ways between pydist and torch FSDP2;
 the optimizer's state through a checkpoint; torch's
@@ -112,7 +113,7 @@ def _save_rank(rank, world_size, root):
     """2 ranks: pydist and torch train the same model; each saves its model
     and (pydist) optimizer state; pydist reloads its own at once."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
 
     from pydist.fsdp import full_state_dict, get_optimizer_state_dict
 
@@ -121,11 +122,10 @@ def _save_rank(rank, world_size, root):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     train_steps(model, opt, rank, 2, 0)
     sd = model.state_dict()
-    shard_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shard_ptrs = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
     out["sharded_types"] = {k: type(v).__name__ for k, v in sd.items()}
-    out["views"] = all(s.tensor.untyped_storage().data_ptr() in shard_ptrs
-                       for v in sd.values() if isinstance(v, ShardedTensor) for s in v.local_shards())
-    out["max_boxes"] = max(len(v.local_shards()) for v in sd.values() if isinstance(v, ShardedTensor))
+    out["views"] = all(v.to_local().untyped_storage().data_ptr() in shard_ptrs
+                       for v in sd.values() if isinstance(v, DTensor))
     dcp.save(sd, checkpoint_id=os.path.join(root, "pydist2"))
     dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=os.path.join(root, "pydist2_optim"))
     out["pydist_full"] = full_state_dict(model)
@@ -226,7 +226,7 @@ def _torch_helpers_rank(rank, world_size, root):
     out["ref"] = ref
     # set_model_state_dict, full: every rank holds the full tensors
     a = _build("pydist", 1, world_size)
-    set_model_state_dict(a, ref, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(a, dict(ref), options=StateDictOptions(full_state_dict=True))  # (torch puts its values in it)
     out["set_full"] = full_state_dict(a)
     # get_model_state_dict, full: FSDP2's way to a full checkpoint (torch
     # gathers pydist's ShardedTensors; with cpu_offload on rank 0 only)
@@ -411,9 +411,9 @@ def test_sharded_state_dict_round_trip_same_world_size(ckpt2):
     _, results = ckpt2
     for rank, out in enumerate(results):
         where = f"rank {rank}"
-        assert out["views"], f"{where}: the ShardedTensors' local shards are not views of the shards"
+        assert out["views"], f"{where}: the DTensors' local tensors are not views of the shards"
         kinds = set(out["sharded_types"].values())
-        assert kinds == {"ShardedTensor"}, f"{where}: state_dict() holds {out['sharded_types']}"
+        assert kinds == {"DTensor"}, f"{where}: state_dict() holds {out['sharded_types']}"
         _assert_same(out["pydist_full"], out["reloaded_full"], f"{where} params reloaded")
         _assert_same(out["pydist_optim"], out["reloaded_optim"], f"{where} Adam state reloaded")
         assert out["continued"][0] == out["continued"][1], f"{where}: training after the reload diverged"
@@ -427,7 +427,6 @@ def test_sharded_state_dict_round_trip_same_world_size(ckpt2):
 def test_checkpoints_move_2_to_4_and_between_pydist_and_torch(ckpt2, ckpt4):
     _, saved = ckpt2
     pydist2, torch2, optim2 = saved[0]["pydist_full"], saved[0]["torch_full"], saved[0]["pydist_optim"]
-    assert any(out["max_boxes"] > 1 for out in saved), "no parameter's piece took more than one box"
     for rank, out in enumerate(ckpt4):
         _assert_same(pydist2, out["pydist<-pydist2"], f"4 ranks, rank {rank}: pydist from pydist's 2-rank")
         _assert_same(pydist2, out["pydist<-full2"], f"4 ranks, rank {rank}: pydist from pydist's 2-rank full state dict")
@@ -474,7 +473,7 @@ def test_4_to_2_torch_state_dict_helpers_and_fsdp1_state_dict_type(ckpt2, ckpt4)
         else:
             assert out["get_full_offload"] == {}, f"{where}: cpu_offload gave {sorted(out['get_full_offload'])}"
         _assert_same(out["ref"], out["set_sharded"], f"{where} get/set_model_state_dict(full_state_dict=False) + DCP")
-        assert set(out["unsharded_types"].values()) == {"ShardedTensor"}, out["unsharded_types"]
+        assert set(out["unsharded_types"].values()) == {"DTensor"}, out["unsharded_types"]
         _assert_same(*[{"out": t} for t in out["forward_after_load"]], f"{where} forward after a load into unsharded units")
         fsdp1_ref = results[0]["fsdp1_full"]
         assert sorted(fsdp1_ref) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "fc3.bias", "fc3.weight"]

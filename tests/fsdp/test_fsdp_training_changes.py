@@ -253,7 +253,17 @@ def _optimizer_first(rank, world_size, front):
             cls = TorchFSDP if impl == "torch" else pydist.FullyShardedDataParallel
             kwargs = {"device_id": torch.device("cpu"), "use_orig_params": True} if impl == "torch" else {}
             model = cls(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), **kwargs)
-        if impl == "pydist":
+        if impl == "pydist" and front == "fully_shard":
+            # New DTensor parameters, as torch's: the optimizer built before
+            # would never train, so its first step raises, naming one.
+            try:
+                _train(model, opt, rank, 1)
+                out["stale_optimizer"] = "no error"
+            except RuntimeError as exc:
+                out["stale_optimizer"] = str(exc)
+            model.zero_grad(set_to_none=True)  # the iteration's gradients; no parameter was stepped
+            opt = None
+        elif impl == "pydist":
             assert {id(p) for p in model.parameters()} == {id(p) for p in before}, "new Parameter objects"
         opt = opt or torch.optim.AdamW(_decay_matrices(model.parameters()), lr=0.05)
         _train(model, opt, rank, 3)
@@ -268,15 +278,20 @@ def _optimizer_first(rank, world_size, front):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("front", ["fully_shard", "FullyShardedDataParallel"])
 def test_optimizer_built_before_sharding_steps_the_shards(front):
-    """The module's own Parameter objects become the shards, so an optimizer
-    built before sharding trains the model, with nanoGPT's groups by
-    ``p.dim()`` taken while the shapes were full: see [Note: the Parameter
-    objects stay] in pydist/fsdp/_fsdp_param.py. Before, pydist made new
-    Parameters and such an optimizer stepped tensors the model no longer
-    used: it never trained (as under torch's FSDP2, where this test builds
-    the optimizer after fully_shard)."""
+    """FSDP1's door: the module's own Parameter objects become the shards,
+    so an optimizer built before sharding trains the model, with nanoGPT's
+    groups by ``p.dim()`` taken while the shapes were full (see [Note: the
+    Parameter objects stay] in pydist/fsdp/_fsdp_param.py). fully_shard:
+    new DTensor parameters, as torch's FSDP2; an optimizer built before
+    raises at its first step, naming a parameter, where under torch it
+    silently never trains; one built after is bitwise torch's."""
     theirs = "torch FSDP2's (optimizer built after)" if front == "fully_shard" else "torch FSDP1's"
-    _assert_bitwise(run_ranks(_optimizer_first, 2, args=(front,), timeout=110), theirs)
+    results = run_ranks(_optimizer_first, 2, args=(front,), timeout=110)
+    if front == "fully_shard":
+        for out in results:
+            message = out.pop("stale_optimizer")
+            assert "Build the optimizer after fully_shard" in message and "inp.weight" in message, message
+    _assert_bitwise(results, theirs)
 
 
 class Branchy(nn.Module):
