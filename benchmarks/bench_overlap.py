@@ -325,7 +325,7 @@ def main():
     parser.add_argument("--cost-rounds", type=int, default=15)
     parser.add_argument("--optimizer", choices=["adam", "sgd"],
                         help="time training iterations, plain vs overlap_optimizer (first --chunks value)")
-    parser.add_argument("--updates", choices=["worker", "forward"], default="worker",
+    parser.add_argument("--updates", choices=["auto", "worker", "forward"], default="auto",
                         help="overlap_optimizer's updates= (docs/overlap-optimizer.md)")
     parser.add_argument("--switch-interval", type=float, metavar="S",
                         help="sys.setswitchinterval in each rank (--optimizer sweep; Python's default is 0.005)")

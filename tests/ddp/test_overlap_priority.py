@@ -190,41 +190,45 @@ def test_link_queue_priority_and_cap():
         assert one_at_a_time["sums"] and all_committed["sums"]  # the results are the inner collective's
 
 
-def _forward_updates_ranks(rank, world_size):
-    """updates="forward" (no worker thread: [Note: which thread updates]),
-    bitwise torch DDP + the optimizer, with no_sync and BatchNorm buffers;
-    every update applied by the forward."""
+def _update_threads_ranks(rank, world_size):
+    """updates="worker" and updates="forward" ([Note: which thread updates]),
+    each bitwise torch DDP + the optimizer, with no_sync and BatchNorm
+    buffers, each update applied by the thread asked for (the forward may
+    take over from the worker the buckets it needs first)."""
     import test_overlap_optimizer as base
     import torch
 
     from pydist import DistributedDataParallel
+    from pydist.ddp.overlap_optimizer import choose_update_thread
 
-    out = {}
+    out = {"auto": [choose_update_thread(cores, ranks) for cores, ranks in ((2, 2), (3, 2), (4, 2), (16, 1))]}
     model = DistributedDataParallel(base.Net())
     try:
         model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), updates="threads")
         out["refused"] = None
     except ValueError as error:
         out["refused"] = str(error)
-    attach = DistributedDataParallel.overlap_optimizer
-    DistributedDataParallel.overlap_optimizer = lambda self, opt, updates="forward": attach(self, opt, updates)
     base.SLOW_LINK = QUEUED_LINK
-    run = base.Run(optimizer="adam_foreach", steps=5, micro=2, bn=True)
-    reference = base._train("torch", run, rank)
-    overlapped = base._train("overlap", run, rank, record=lambda ddp: ddp.set_record_timing(True, keep=64))
-    ddp = overlapped.pop("ddp")
-    try:
-        base._assert_same(reference, overlapped, exact=True, what="updates='forward' vs torch")
-        out["parity"] = None
-    except AssertionError as error:
-        out["parity"] = str(error)
-    out["threads"] = sorted({b.thread for r in ddp.update_records() for b in r.buckets})
+    reference = base._train("torch", base.Run(optimizer="adam_foreach", steps=5, micro=2, bn=True), rank)
+    for updates in ("worker", "forward"):
+        run = base.Run(optimizer="adam_foreach", steps=5, micro=2, bn=True, updates=updates)
+        overlapped = base._train("overlap", run, rank, record=lambda ddp: ddp.set_record_timing(True, keep=64))
+        ddp = overlapped.pop("ddp")
+        try:
+            base._assert_same(reference, overlapped, exact=True, what=f"updates={updates!r} vs torch")
+            out[f"{updates}_parity"] = None
+        except AssertionError as error:
+            out[f"{updates}_parity"] = str(error)
+        out[f"{updates}_threads"] = sorted({b.thread for r in ddp.update_records() for b in r.buckets})
     return out
 
 
 @pytest.mark.timeout(60)
-def test_forward_thread_updates_bitwise():
-    for result in run_ranks(_forward_updates_ranks, 2, timeout=45):
+def test_each_update_thread_bitwise():
+    for result in run_ranks(_update_threads_ranks, 2, timeout=45):
         assert "updates='threads'" in result["refused"] and "'worker', 'forward'" in result["refused"], result
-        assert result["parity"] is None, result["parity"]
-        assert result["threads"] == ["forward"], result["threads"]
+        assert result["auto"] == ["forward", "forward", "worker", "worker"], result["auto"]
+        assert result["worker_parity"] is None, result["worker_parity"]
+        assert result["forward_parity"] is None, result["forward_parity"]
+        assert "worker" in result["worker_threads"], result["worker_threads"]
+        assert result["forward_threads"] == ["forward"], result["forward_threads"]
