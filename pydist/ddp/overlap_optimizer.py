@@ -142,7 +142,8 @@ def update_order(bucket_indices: list[list[int]]) -> list[int]:
 # landed waits: see [Note: the forward updates what has landed].
 # updates="auto" (the default) picks one when overlap_optimizer is called,
 # from the cores this process may run on (os.sched_getaffinity) and the
-# ranks sharing its host (pydist.topology): "worker" when there are at
+# ranks sharing its host (LOCAL_WORLD_SIZE where a launcher sets it, else
+# pydist.topology): "worker" when there are at
 # least two cores per rank, else "forward". Either way a bucket is claimed
 # once (run_buckets) and its update waits for its all-reduce.
 UPDATE_THREADS = ("auto", "worker", "forward")
