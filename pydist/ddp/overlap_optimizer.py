@@ -22,11 +22,14 @@ The pipeline of one step (names in call order):
                        for b's all-reduce, writes its averaged grads to .grad),
                        then one call of the user's optimizer on their
                        parameters only ([Note: one update for the buckets at
-                       hand]); with updates="forward" there is no worker
+                       hand]); with updates="forward" (what "auto" picks
+                       without a spare core per rank) there is no worker
                        ([Note: which thread updates])
     next forward       each module's forward pre-hook: wait_for_buckets of the
                        parameters registered on it (running a bucket's job on
-                       the main thread if the worker has not reached it)
+                       the main thread if nobody has; with updates="forward",
+                       every landed bucket first: [Note: the forward updates
+                       what has landed])
     end of forward     wait_updates: every update landed before any backward
                        (synced or under no_sync) writes gradients again
 
