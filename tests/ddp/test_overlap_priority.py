@@ -31,6 +31,8 @@ whose parity runs also go over a prioritizing link now.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pydist.spawn import run_ranks
@@ -223,6 +225,84 @@ def _update_threads_ranks(rank, world_size):
     return out
 
 
+# Backward sleeps this long between the back layers' gradients and the
+# front layers' ones: on QUEUED_LINK (~10 ms a bucket) some back buckets
+# land meanwhile, and the front bucket, launched last, is still behind a
+# transfer the link committed when the next forward starts.
+SLOW_BACKWARD_S = 0.04
+
+
+def _work_while_waiting_ranks(rank, world_size):
+    """updates="forward" updates the buckets that landed while the one the
+    next forward needs first is still in flight: [Note: the forward updates
+    what has landed]."""
+    import test_overlap_optimizer as base
+    import torch
+    import torch.nn.functional as F
+
+    from pydist import DistributedDataParallel
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(SLOW_BACKWARD_S)
+            return grad
+
+    class SlowFront(base.Net):  # the sleep sits after the first block: its backward runs late
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            for i, block in enumerate(self.blocks):
+                h = torch.tanh(block(h))
+                if i == 0:
+                    h = SlowBackward.apply(h)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(SlowFront(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.001, sim_net=QUEUED_LINK)
+    ddp.set_record_timing(True, keep=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    ddp.overlap_optimizer(opt, updates="forward")
+    for step in range(5):
+        opt.zero_grad()
+        x, y = base._batch(rank, step, 0)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+    ddp.wait_updates()
+    return {"steps": _updated_before_front_landed(ddp), "report": ddp.update_records()[-2].report()}
+
+
+@pytest.mark.timeout(60)
+def test_forward_updates_landed_buckets_while_front_in_flight():
+    for result in run_ranks(_work_while_waiting_ranks, 2, timeout=45):
+        assert len(result["steps"]) >= 2, result
+        assert any(result["steps"]), \
+            "no step shows the forward updating a landed bucket before the front bucket landed:\n" + result["report"]
+
+
+def _updated_before_front_landed(ddp) -> list[bool]:
+    """Per step after the bucket rebuild: whether some bucket's update began
+    before the front layers' bucket (the one the next forward needs first)
+    had landed, on the clock of the reducer's records. updates="forward"
+    does so whenever a bucket landed before the front one: [Note: the
+    forward updates what has landed]; a forward that waited for the front
+    bucket first never does."""
+    reduced = {r.iteration: r for r in ddp.iteration_records()}
+    steps = []
+    for upd in ddp.update_records():
+        it = reduced.get(upd.step)
+        if it is None or len(it.buckets) != len(upd.buckets) or len(upd.buckets) < 2:
+            continue
+        front = max(b.index for b in it.buckets)
+        front_landed = it.start_ns + next(b.complete_ms for b in it.buckets if b.index == front) * 1e6
+        steps.append(any(upd.start_ns + b.update_start_ms * 1e6 < front_landed
+                         for b in upd.buckets if b.index != front))
+    return steps
+
+
 @pytest.mark.timeout(60)
 def test_each_update_thread_bitwise():
     for result in run_ranks(_update_threads_ranks, 2, timeout=45):
@@ -232,3 +312,4 @@ def test_each_update_thread_bitwise():
         assert result["forward_parity"] is None, result["forward_parity"]
         assert "worker" in result["worker_threads"], result["worker_threads"]
         assert result["forward_threads"] == ["forward"], result["forward_threads"]
+
