@@ -31,6 +31,8 @@ back) and the rank's context switches.
 Beside pydist / torch (the ratio of the two medians) the table gives
 "paired": the median over rounds of pydist / torch within a round, where the
 two ran back to back, so a stretch of slow machine weighs on both.
+pydist/compute is the DDP step against the same step under no_sync (the
+project's goal: within 1.05x), again as the ratio of medians and paired.
 
 --records prints, for each model, the reducer's per-bucket record of one
 backward on each rank, with whole-bucket and with 4 MB chunked launches:
@@ -170,6 +172,7 @@ def _summarize(name: str, per_rank: list[dict[str, list[tuple[float, ...]]]]) ->
         result[f"{mode}_idle_ms"] = (mean["wall_ms"] - mean["cpu_autograd_ms"] - mean["cpu_other_ms"]) * 1e3
     for mode in [m for m in slower if m.startswith("pydist")]:
         result[f"{mode}_paired"] = statistics.median(p / t for p, t in zip(slower[mode], slower["torch"]))
+        result[f"{mode}_vs_compute"] = statistics.median(p / c for p, c in zip(slower[mode], slower["compute"]))
     return result
 
 
@@ -221,7 +224,7 @@ def main() -> None:
     )
     header = (
         f"{'model':<36} {'torch':>8} {'pydist':>8} {'pydist_pg':>9} {'compute':>8} {'allred':>8} {'pydist/torch':>13} "
-        f"{'paired':>7} {'pydist_pg/torch':>16} {'torch/(c+a)':>12} {'pydist/(c+a)':>13}"
+        f"{'paired':>7} {'pydist_pg/torch':>16} {'torch/(c+a)':>12} {'pydist/(c+a)':>13} {'pydist/compute':>15} {'paired':>7}"
     )
     print(header)
     for r in results:
@@ -229,7 +232,8 @@ def main() -> None:
         print(
             f"{r['model']:<36} {r['torch_ms']:>8.2f} {r['pydist_ms']:>8.2f} {r['pydist_pg_ms']:>9.2f} {r['compute_ms']:>8.2f} "
             f"{r['allreduce_ms']:>8.2f} {r['pydist_ms'] / r['torch_ms']:>13.3f} {r['pydist_paired']:>7.3f} "
-            f"{r['pydist_pg_ms'] / r['torch_ms']:>16.3f} {r['torch_ms'] / serial:>12.3f} {r['pydist_ms'] / serial:>13.3f}"
+            f"{r['pydist_pg_ms'] / r['torch_ms']:>16.3f} {r['torch_ms'] / serial:>12.3f} {r['pydist_ms'] / serial:>13.3f} "
+            f"{r['pydist_ms'] / r['compute_ms']:>15.3f} {r['pydist_vs_compute']:>7.3f}"
         )
     if args.cpu:
         print("\nCPU per step, mean over ranks of each rank's medians (ms): the autograd thread and the")

@@ -45,7 +45,9 @@ overlap_optimizer's update thread and the main thread share the GIL; on a
 machine with no spare core per rank, Python's default switch interval (5 ms)
 can hold a landed bucket's update (or the forward) for that long:
 --switch-interval 0.0002 shows the schedule without that convoy, and
---updates forward leaves the updates to the forward (no second thread).
+--updates forward|worker sets the thread that applies the updates (the
+default, auto, picks the worker only with a spare core per rank). --plot
+draws the two columns per model and link.
 """
 
 from __future__ import annotations
@@ -159,6 +161,9 @@ def _records_cost(model_name, rounds, steps, rank):
     return statistics.median(off), statistics.median(on)
 
 
+_PICKED: set = set()  # the update threads the overlap_optimizer cells ran with
+
+
 def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps, rank, optimizer, overlapped,
                     updates="worker"):
     """ms per training iteration, steady state (see the module docstring)."""
@@ -170,6 +175,7 @@ def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps
            else torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
     if overlapped:
         ddp.overlap_optimizer(opt, updates=updates)
+        _PICKED.add(ddp._overlap.updates)  # what updates="auto" chose
     x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
 
     def iteration():
@@ -208,7 +214,8 @@ def optimizer_sweep(rank, world_size, args):
         plain, over = statistics.median(t), statistics.median(times[(m, bw, cap, True)])
         cells.append({"model": m, "bandwidth_gbps": bw, "cap_mb": cap, "chunk_mb": args.chunks[0],
                       "plain_ms": plain, "overlap_optimizer_ms": over, "ratio": over / plain})
-    return {"optimizer": args.optimizer, "updates": args.updates, "optimizer_cells": cells}
+    updates = args.updates if args.updates != "auto" else f"auto: {'/'.join(sorted(_PICKED))}"
+    return {"optimizer": args.optimizer, "updates": updates, "optimizer_cells": cells}
 
 
 def print_optimizer_table(result, latency):
@@ -220,6 +227,44 @@ def print_optimizer_table(result, latency):
     for c in result["optimizer_cells"]:
         print(f"{c['model']:<6} {c['bandwidth_gbps']:>6g} {c['cap_mb']:>7g} {c['chunk_mb']:>8g} {c['plain_ms']:>9.2f} "
               f"{c['overlap_optimizer_ms']:>20.2f} {c['ratio']:>6.3f}")
+
+
+def plot_optimizer(result, path, latency):
+    """One panel per model: ms per iteration at each bandwidth, plain DDP
+    beside overlap_optimizer (first cap of the sweep), the ratio on top."""
+    plt = _pyplot()
+    cells = result["optimizer_cells"]
+    models = list(dict.fromkeys(c["model"] for c in cells))
+    cap = cells[0]["cap_mb"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.8 * len(models), 3.8), squeeze=False)
+    for ax, model_name in zip(axes[0], models):
+        mine = sorted((c for c in cells if c["model"] == model_name and c["cap_mb"] == cap),
+                      key=lambda c: c["bandwidth_gbps"])
+        xs = range(len(mine))
+        ax.bar([x - 0.2 for x in xs], [c["plain_ms"] for c in mine], 0.4, label="plain DDP + opt.step()")
+        ax.bar([x + 0.2 for x in xs], [c["overlap_optimizer_ms"] for c in mine], 0.4,
+               label=f"overlap_optimizer (updates={result['updates']})")
+        for x, c in zip(xs, mine):
+            ax.text(x + 0.2, c["overlap_optimizer_ms"], f"{c['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [f"{c['bandwidth_gbps']:g} Gb/s" for c in mine])
+        ax.set_ylabel("ms per iteration (fwd + bwd + step)")
+        ax.set_title(f"{model_name}, {result['optimizer']}, {cap:g} MB buckets")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"pydist DDP, 2 CPU ranks, simulated link ({latency} latency)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("bench_overlap.py --plot needs matplotlib, which is not installed: pip install matplotlib")
+    return plt
 
 
 def sweep(rank, world_size, args):
@@ -267,13 +312,7 @@ def print_table(result, latency):
 
 
 def plot(result, path, latency):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("bench_overlap.py --plot needs matplotlib, which is not installed: pip install matplotlib")
+    plt = _pyplot()
     models = sorted({c["model"] for c in result["cells"]}, key=[c["model"] for c in result["cells"]].index)
     bandwidths = sorted({c["bandwidth_gbps"] for c in result["cells"]})
     chunks = sorted({c["chunk_mb"] for c in result["cells"]})
@@ -325,12 +364,13 @@ def main():
     parser.add_argument("--cost-rounds", type=int, default=15)
     parser.add_argument("--optimizer", choices=["adam", "sgd"],
                         help="time training iterations, plain vs overlap_optimizer (first --chunks value)")
-    parser.add_argument("--updates", choices=["worker", "forward"], default="worker",
+    parser.add_argument("--updates", choices=["auto", "worker", "forward"], default="auto",
                         help="overlap_optimizer's updates= (docs/overlap-optimizer.md)")
     parser.add_argument("--switch-interval", type=float, metavar="S",
                         help="sys.setswitchinterval in each rank (--optimizer sweep; Python's default is 0.005)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--plot", metavar="PNG", help="e.g. benchmarks/bench_overlap.png")
+    parser.add_argument("--plot", metavar="PNG", help="e.g. benchmarks/bench_overlap.png (with --optimizer: "
+                        "plain vs overlap_optimizer per model and link, e.g. benchmarks/bench_overlap_optimizer.png)")
     args = parser.parse_args()
     started = time.perf_counter()
     result = run_ranks(optimizer_sweep if args.optimizer else sweep, 2, args=(args,), timeout=900)[0]
@@ -340,12 +380,11 @@ def main():
     elif args.optimizer:
         print_optimizer_table(result, args.latency)
         print(f"({result['seconds']:.0f} s)")
-        return
     else:
         print_table(result, args.latency)
         print(f"({result['seconds']:.0f} s)")
     if args.plot:
-        plot(result, args.plot, args.latency)
+        (plot_optimizer if args.optimizer else plot)(result, args.plot, args.latency)
 
 
 if __name__ == "__main__":

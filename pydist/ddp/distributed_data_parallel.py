@@ -595,7 +595,7 @@ class DistributedDataParallel(_TorchDDP):
     # or wait_grads() first), and a forward reading a parameter of a module
     # whose own forward has not run yet.
 
-    def overlap_optimizer(self, opt: torch.optim.Optimizer, updates: str = "worker") -> None:
+    def overlap_optimizer(self, opt: torch.optim.Optimizer, updates: str = "auto") -> None:
         """Apply ``opt`` bucket by bucket as each bucket's all-reduce lands.
 
         From now on ``loss.backward()`` returns when autograd is done,
@@ -609,9 +609,11 @@ class DistributedDataParallel(_TorchDDP):
 
         ``updates`` says which thread applies them: "worker" (a thread of
         its own, each bucket as it lands, the next forward taking over the
-        buckets it needs first) or "forward" (the next forward's pre-hooks,
-        each bucket when a module first needs it: no second thread
-        contending for the GIL). See [Note: which thread updates]."""
+        buckets it needs first), "forward" (the next forward's pre-hooks,
+        which update whatever has landed before they wait: no second thread
+        contending for the GIL) or "auto" (the default: "worker" where each
+        rank of this host has a spare core, else "forward"). See [Note:
+        which thread updates]."""
         if updates not in UPDATE_THREADS:
             raise ValueError(f"overlap_optimizer: updates={updates!r}; expected one of "
                              f"{', '.join(map(repr, UPDATE_THREADS))}")

@@ -22,11 +22,14 @@ The pipeline of one step (names in call order):
                        for b's all-reduce, writes its averaged grads to .grad),
                        then one call of the user's optimizer on their
                        parameters only ([Note: one update for the buckets at
-                       hand]); with updates="forward" there is no worker
+                       hand]); with updates="forward" (what "auto" picks
+                       without a spare core per rank) there is no worker
                        ([Note: which thread updates])
     next forward       each module's forward pre-hook: wait_for_buckets of the
                        parameters registered on it (running a bucket's job on
-                       the main thread if the worker has not reached it)
+                       the main thread if nobody has; with updates="forward",
+                       every landed bucket first: [Note: the forward updates
+                       what has landed])
     end of forward     wait_updates: every update landed before any backward
                        (synced or under no_sync) writes gradients again
 
@@ -47,7 +50,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate", "UPDATE_THREADS", "wait_all_grads"]
+__all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate", "UPDATE_THREADS", "choose_update_thread",
+           "wait_all_grads"]
 
 # Optimizers whose update of a parameter reads only that parameter, its
 # gradient and its own state, so updating bucket by bucket gives the same
@@ -131,17 +135,66 @@ def update_order(bucket_indices: list[list[int]]) -> list[int]:
 # bucket lands, so the updates of buckets the next forward needs later run
 # while the forward computes, on a core the forward does not use. Both
 # threads run Python (the optimizer's for-loop, the modules' forward), so
-# they take turns on the GIL; with no spare core per rank (this 2-core
-# machine, 2 ranks) there is nothing to run in parallel, and the turns slow
-# both: beside a forward, the for-loop Adam's updates of the deep model of
-# bench_overlap.py took 9-36 ms in all against the 8 ms of one opt.step().
-# updates="forward": no worker; the next forward's pre-hooks apply each
-# bucket's update when a module first needs it (the end of that forward
-# applies the rest). The update then lies on the forward's path, as
-# opt.step() does in plain DDP, but on a link slower than the forward the
-# forward waits for the link anyway. Either way a bucket is claimed once
-# (run_bucket) and its update waits for its all-reduce.
-UPDATE_THREADS = ("worker", "forward")
+# they take turns on the GIL; torch's kernels release it, so with a spare
+# core per rank the update's arithmetic runs beside the forward's. With no
+# spare core (this 2-core machine, 2 ranks) there is nothing to run in
+# parallel: each hand-over between the threads is a wake-up on a busy core,
+# and the turns slow both.
+# updates="forward": no worker; the main thread applies the updates, from
+# the next forward's pre-hooks, and never idles while a bucket that has
+# landed waits: see [Note: the forward updates what has landed].
+# updates="auto" (the default) picks one when overlap_optimizer is called,
+# from the cores this process may run on (os.sched_getaffinity) and the
+# ranks sharing its host (LOCAL_WORLD_SIZE where a launcher sets it, else
+# pydist.topology): "worker" when there are at
+# least two cores per rank, else "forward". Either way a bucket is claimed
+# once (run_buckets) and its update waits for its all-reduce.
+UPDATE_THREADS = ("auto", "worker", "forward")
+
+# How often updates="forward" looks for landed buckets while the one it
+# needs is in flight (each look: one landed_buckets() call, ~10 us).
+_LANDED_POLL_S = 0.0002
+
+
+def choose_update_thread(cores: int, ranks_on_host: int) -> str:
+    """updates="auto" for a process that may run on ``cores`` cores, one of
+    ``ranks_on_host`` ranks on its host: see [Note: which thread updates]."""
+    return "worker" if cores >= 2 * ranks_on_host else "forward"
+
+
+def _auto_update_thread(ddp) -> str:
+    import os
+
+    from pydist import topology
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")  # what launchers (pydist.run, torchrun) say
+    if local.isdigit() and int(local) > 0:
+        return choose_update_thread(cores, int(local))
+    # Collective the first time for this group; a CPU model's wrapper has already asked.
+    topo = topology.of(ddp.process_group, build_groups=False)
+    return choose_update_thread(cores, len(topo.hosts[topo.host]))
+
+
+# [Note: the forward updates what has landed]
+# With updates="forward" one thread does everything between opt.step() and
+# the end of the next forward: every bucket's update and the forward itself,
+# which ends only when every update has landed (_post_forward). Their order
+# does not change how much there is to do, so that forward ends soonest when
+# the thread never waits for a bucket while another one has landed and is
+# not updated. So when a module needs a bucket whose all-reduce is still in
+# flight, its pre-hook first updates every bucket that has landed (one call
+# of the optimizer: [Note: one update for the buckets at hand]) and looks
+# again. While nothing has landed it looks again every _LANDED_POLL_S (the
+# reducer offers a wait for one bucket, not for the first of several), so a
+# back bucket that lands while the front one is still in flight is updated
+# within that time; only when no other bucket is left does it wait on the
+# one it needs. On a fast link (10 Gb/s here) the
+# communication tail after backward, which plain DDP waits for before
+# opt.step(), is spent updating the buckets that landed during backward.
 
 
 # Every OverlappedOptimizer alive (weakly), for wait_all_grads.
@@ -189,7 +242,8 @@ class OverlappedOptimizer:
 
     def __init__(self, ddp, opt: torch.optim.Optimizer, updates: str = "worker"):
         _check_optimizer(opt)
-        self.updates = updates  # see [Note: which thread updates]
+        # "worker" or "forward" ("auto" resolved here): see [Note: which thread updates]
+        self.updates = _auto_update_thread(ddp) if updates == "auto" else updates
         self._ddp = weakref.ref(ddp)  # no cycle: the wrapper owns this object
         _LIVE.add(self)  # see wait_all_grads
         self.opt = opt
@@ -205,6 +259,10 @@ class OverlappedOptimizer:
         self._jobs: dict[int, _Job] = {}  # bucket index -> this step's job (UPDATING only)
         # zero_grad(set_to_none) called while UPDATING: applied to each bucket after its update.
         self._pending_zero: bool | None = None
+        # Jobs of this step not yet updated (guarded by the lock): at 0 the
+        # forward pre-hooks return at once. A failed job stays counted, so
+        # the hooks go on to raise its error.
+        self._open = 0
         self._steps = 0
         self.records: deque[UpdateRecord] = deque(maxlen=ddp._records_kept)
         # Bucket layout cache: (reducer layout key) -> per bucket, per group, its params.
@@ -355,6 +413,7 @@ class OverlappedOptimizer:
         with self._lock:
             self._jobs = jobs
             self._pending_zero = None
+            self._open = len(jobs)
         self._state = UpdateState.UPDATING
         if ddp._record_timing:
             self.records.append(record)
@@ -367,10 +426,11 @@ class OverlappedOptimizer:
         per job, by whichever thread claims it first."""
         self.run_buckets([job], thread)
 
-    def run_buckets(self, jobs: list[_Job], thread: str) -> None:
+    def run_buckets(self, jobs: list[_Job], thread: str, then_landed: bool = False) -> None:
         """run_bucket for each of ``jobs`` not claimed yet, with one call of
         the optimizer over all of their parameters: see [Note: one update
-        for the buckets at hand]."""
+        for the buckets at hand]. ``then_landed``: once those have landed,
+        also take every bucket that landed meanwhile and nobody claimed."""
         with self._lock:
             mine = [job for job in jobs if not job.claimed]
             for job in mine:
@@ -382,6 +442,16 @@ class OverlappedOptimizer:
             for job in mine:
                 ddp.reducer.finish_bucket(job.bucket)  # waits (GIL released) and writes grads back
                 job.record.landed_ms = (time.monotonic_ns() - self._record_start) / 1e6
+            if then_landed:
+                landed = set(ddp.reducer.landed_buckets())
+                with self._lock:
+                    more = [job for job in self._jobs.values() if job.bucket in landed and not job.claimed]
+                    for job in more:
+                        job.claimed = True
+                mine += more
+                for job in more:
+                    ddp.reducer.finish_bucket(job.bucket)  # landed: does not wait
+                    job.record.landed_ms = (time.monotonic_ns() - self._record_start) / 1e6
             started = (time.monotonic_ns() - self._record_start) / 1e6
             groups = _merged_groups(mine)
             if groups:
@@ -390,9 +460,10 @@ class OverlappedOptimizer:
             with self._lock:
                 for job in mine:
                     job.record.update_start_ms, job.record.updated_ms, job.record.thread = started, updated, thread
-                    if self._pending_zero is not None:
-                        self._zero(job.groups, self._pending_zero)
                     job.updated = True
+                if self._pending_zero is not None and groups:
+                    self._zero(groups, self._pending_zero)  # one call for the lot, as the update
+                self._open -= len(mine)
         except BaseException as error:  # noqa: BLE001 - re-raised on the main thread by wait_*
             for job in mine:
                 job.error = error
@@ -437,11 +508,8 @@ class OverlappedOptimizer:
             if job is None or job.done.is_set():
                 continue
             start = time.monotonic_ns()
-            if self.updates == "forward" and not job.claimed:
-                # with it, the other buckets already landed: [Note: one update for the buckets at hand]
-                landed = set(self._ddp().reducer.landed_buckets())
-                self.run_buckets([job] + [j for j in jobs.values() if j.bucket in landed and not j.claimed],
-                                 "forward")
+            if self.updates == "forward":
+                self._update_until(job)
             else:
                 self.run_bucket(job, "forward")
             job.done.wait()
@@ -449,13 +517,27 @@ class OverlappedOptimizer:
             if job.error is not None:
                 raise job.error
 
+    def _update_until(self, job: _Job) -> None:
+        """updates="forward": ``job`` is claimed, having updated whatever
+        landed before it. See [Note: the forward updates what has landed]."""
+        reducer = self._ddp().reducer
+        while not job.claimed:
+            landed = set(reducer.landed_buckets())
+            unclaimed = [j for j in self._jobs.values() if j is not job and not j.claimed]
+            others = [j for j in unclaimed if j.bucket in landed]
+            if job.bucket in landed or not unclaimed:
+                self.run_buckets([job, *others], "forward", then_landed=True)
+            elif others:
+                self.run_buckets(others, "forward")
+            else:
+                time.sleep(_LANDED_POLL_S)  # nothing landed yet: look again soon
+
     def wait_updates(self) -> None:
         """Every queued update has landed; with no opt.step() after the last
         backward, its gradients are written back (nothing updated)."""
         ddp = self._ddp()
         if self._state is UpdateState.UPDATING:
-            for job in self._jobs.values():
-                self.run_bucket(job, "forward")
+            self.run_buckets(list(self._jobs.values()), "forward")  # those nobody claimed: one call
             errors = []
             for job in self._jobs.values():
                 job.done.wait()
@@ -491,8 +573,9 @@ class OverlappedOptimizer:
             return
         with self._lock:
             self._pending_zero = set_to_none
-            for job in [job for job in self._jobs.values() if job.updated]:
-                self._zero(job.groups, set_to_none)
+            groups = _merged_groups([job for job in self._jobs.values() if job.updated])
+            if groups:
+                self._zero(groups, set_to_none)
         if self._outside:
             self._zero([{"params": ps} for _, ps in self._outside], set_to_none)
 
@@ -514,6 +597,8 @@ class OverlappedOptimizer:
 # parameters share a call changes no element's arithmetic.
 def _merged_groups(jobs: list[_Job]) -> list[dict]:
     """The param groups of ``jobs`` merged by optimizer param group, in job order."""
+    if not jobs:
+        return []
     if len(jobs) == 1:
         return jobs[0].groups
     merged: dict[int, dict] = {}
@@ -566,13 +651,18 @@ class _ForwardWait(_Hook):
     def __init__(self, owner, params):
         self._owner = owner
         self._param_ids = [id(p) for p in params]
+        self._buckets = (None, [])  # (the layout key they were read for, the buckets holding the params)
 
     def __call__(self, module, args):
         overlapped = self._owner()
-        if overlapped is None or overlapped._state is not UpdateState.UPDATING:
+        if overlapped is None or overlapped._state is not UpdateState.UPDATING or not overlapped._open:
             return None
-        bucket_of = overlapped._bucket_of
-        overlapped.wait_for_buckets(sorted({bucket_of[i] for i in self._param_ids if i in bucket_of}))
+        key, buckets = self._buckets
+        if key is not overlapped._layout_key:
+            bucket_of = overlapped._bucket_of
+            buckets = sorted({bucket_of[i] for i in self._param_ids if i in bucket_of})
+            self._buckets = (overlapped._layout_key, buckets)
+        overlapped.wait_for_buckets(buckets)
         return None
 
 

@@ -75,6 +75,7 @@ class Run:
     checkpoint_at: int = -1     # pydist: checkpoint after this many steps, resume in a fresh model
     clip: bool = False          # torch's clip_grad_norm_ between backward and opt.step() (no wait_grads)
     scaler: bool = False        # torch.amp.GradScaler's scale / step / update (no wait_grads)
+    updates: str = "auto"       # overlap_optimizer's updates=: which thread applies them
 
 
 def _optimizer(name: str, params):
@@ -109,7 +110,7 @@ def _build(impl: str, run: Run, state=None):
     opt = _optimizer(run.optimizer, ddp.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if run.scheduler else None
     if impl == "overlap":
-        ddp.overlap_optimizer(opt)
+        ddp.overlap_optimizer(opt, updates=run.updates)
     return ddp, opt, sched
 
 
@@ -213,7 +214,7 @@ def test_parity_three_ranks():
         assert not failures, "\n".join(failures)
 
 
-def _ordering_ranks(rank, world_size):
+def _ordering_ranks(rank, world_size, updates):
     """Per step: the reducer's completion stamp of each bucket, when its
     update began, and when each module's forward began (a pre-hook added
     after overlap_optimizer's, so it runs after that module's wait)."""
@@ -233,7 +234,7 @@ def _ordering_ranks(rank, world_size):
 
         ddp.forward = forward
 
-    run = Run(optimizer="adamw", steps=8)
+    run = Run(optimizer="adamw", steps=8, updates=updates)
     result = _train("overlap", run, rank, record=record)
     ddp = result.pop("ddp")
     params = ddp._params
@@ -264,8 +265,9 @@ def _ordering_ranks(rank, world_size):
 
 
 @pytest.mark.timeout(90)
-def test_updates_follow_allreduce_and_precede_forward():
-    for result in run_ranks(_ordering_ranks, 2):
+@pytest.mark.parametrize("updates", ["worker", "forward"])
+def test_updates_follow_allreduce_and_precede_forward(updates):
+    for result in run_ranks(_ordering_ranks, 2, args=(updates,)):
         assert result["checked"] >= 5 * 6, result  # most steps' buckets were checked
         assert not result["problems"], "\n".join(result["problems"]) + "\n" + result["report"]
 

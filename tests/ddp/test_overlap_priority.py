@@ -31,6 +31,8 @@ whose parity runs also go over a prioritizing link now.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pydist.spawn import run_ranks
@@ -190,41 +192,124 @@ def test_link_queue_priority_and_cap():
         assert one_at_a_time["sums"] and all_committed["sums"]  # the results are the inner collective's
 
 
-def _forward_updates_ranks(rank, world_size):
-    """updates="forward" (no worker thread: [Note: which thread updates]),
-    bitwise torch DDP + the optimizer, with no_sync and BatchNorm buffers;
-    every update applied by the forward."""
+def _update_threads_ranks(rank, world_size):
+    """updates="worker" and updates="forward" ([Note: which thread updates]),
+    each bitwise torch DDP + the optimizer, with no_sync and BatchNorm
+    buffers, each update applied by the thread asked for (the forward may
+    take over from the worker the buckets it needs first)."""
     import test_overlap_optimizer as base
     import torch
 
     from pydist import DistributedDataParallel
+    from pydist.ddp.overlap_optimizer import choose_update_thread
 
-    out = {}
+    out = {"auto": [choose_update_thread(cores, ranks) for cores, ranks in ((2, 2), (3, 2), (4, 2), (16, 1))]}
     model = DistributedDataParallel(base.Net())
     try:
         model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), updates="threads")
         out["refused"] = None
     except ValueError as error:
         out["refused"] = str(error)
-    attach = DistributedDataParallel.overlap_optimizer
-    DistributedDataParallel.overlap_optimizer = lambda self, opt, updates="forward": attach(self, opt, updates)
     base.SLOW_LINK = QUEUED_LINK
-    run = base.Run(optimizer="adam_foreach", steps=5, micro=2, bn=True)
-    reference = base._train("torch", run, rank)
-    overlapped = base._train("overlap", run, rank, record=lambda ddp: ddp.set_record_timing(True, keep=64))
-    ddp = overlapped.pop("ddp")
-    try:
-        base._assert_same(reference, overlapped, exact=True, what="updates='forward' vs torch")
-        out["parity"] = None
-    except AssertionError as error:
-        out["parity"] = str(error)
-    out["threads"] = sorted({b.thread for r in ddp.update_records() for b in r.buckets})
+    reference = base._train("torch", base.Run(optimizer="adam_foreach", steps=5, micro=2, bn=True), rank)
+    for updates in ("worker", "forward"):
+        run = base.Run(optimizer="adam_foreach", steps=5, micro=2, bn=True, updates=updates)
+        overlapped = base._train("overlap", run, rank, record=lambda ddp: ddp.set_record_timing(True, keep=64))
+        ddp = overlapped.pop("ddp")
+        try:
+            base._assert_same(reference, overlapped, exact=True, what=f"updates={updates!r} vs torch")
+            out[f"{updates}_parity"] = None
+        except AssertionError as error:
+            out[f"{updates}_parity"] = str(error)
+        out[f"{updates}_threads"] = sorted({b.thread for r in ddp.update_records() for b in r.buckets})
     return out
 
 
+# Backward sleeps this long between the back layers' gradients and the
+# front layers' ones: on QUEUED_LINK (~10 ms a bucket) some back buckets
+# land meanwhile, and the front bucket, launched last, is still behind a
+# transfer the link committed when the next forward starts.
+SLOW_BACKWARD_S = 0.04
+
+
+def _work_while_waiting_ranks(rank, world_size):
+    """updates="forward" updates the buckets that landed while the one the
+    next forward needs first is still in flight: [Note: the forward updates
+    what has landed]."""
+    import test_overlap_optimizer as base
+    import torch
+    import torch.nn.functional as F
+
+    from pydist import DistributedDataParallel
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(SLOW_BACKWARD_S)
+            return grad
+
+    class SlowFront(base.Net):  # the sleep sits after the first block: its backward runs late
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            for i, block in enumerate(self.blocks):
+                h = torch.tanh(block(h))
+                if i == 0:
+                    h = SlowBackward.apply(h)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(SlowFront(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.001, sim_net=QUEUED_LINK)
+    ddp.set_record_timing(True, keep=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    ddp.overlap_optimizer(opt, updates="forward")
+    for step in range(5):
+        opt.zero_grad()
+        x, y = base._batch(rank, step, 0)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+    ddp.wait_updates()
+    return {"steps": _updated_before_front_landed(ddp), "report": ddp.update_records()[-2].report()}
+
+
 @pytest.mark.timeout(60)
-def test_forward_thread_updates_bitwise():
-    for result in run_ranks(_forward_updates_ranks, 2, timeout=45):
+def test_forward_updates_landed_buckets_while_front_in_flight():
+    for result in run_ranks(_work_while_waiting_ranks, 2, timeout=45):
+        assert len(result["steps"]) >= 2, result
+        assert any(result["steps"]), \
+            "no step shows the forward updating a landed bucket before the front bucket landed:\n" + result["report"]
+
+
+def _updated_before_front_landed(ddp) -> list[bool]:
+    """Per step after the bucket rebuild: whether some bucket's update began
+    before the front layers' bucket (the one the next forward needs first)
+    had landed, on the clock of the reducer's records. updates="forward"
+    does so whenever a bucket landed before the front one: [Note: the
+    forward updates what has landed]; a forward that waited for the front
+    bucket first never does."""
+    reduced = {r.iteration: r for r in ddp.iteration_records()}
+    steps = []
+    for upd in ddp.update_records():
+        it = reduced.get(upd.step)
+        if it is None or len(it.buckets) != len(upd.buckets) or len(upd.buckets) < 2:
+            continue
+        front = max(b.index for b in it.buckets)
+        front_landed = it.start_ns + next(b.complete_ms for b in it.buckets if b.index == front) * 1e6
+        steps.append(any(upd.start_ns + b.update_start_ms * 1e6 < front_landed
+                         for b in upd.buckets if b.index != front))
+    return steps
+
+
+@pytest.mark.timeout(60)
+def test_each_update_thread_bitwise():
+    for result in run_ranks(_update_threads_ranks, 2, timeout=45):
         assert "updates='threads'" in result["refused"] and "'worker', 'forward'" in result["refused"], result
-        assert result["parity"] is None, result["parity"]
-        assert result["threads"] == ["forward"], result["threads"]
+        assert result["auto"] == ["forward", "forward", "worker", "worker"], result["auto"]
+        assert result["worker_parity"] is None, result["worker_parity"]
+        assert result["forward_parity"] is None, result["forward_parity"]
+        assert "worker" in result["worker_threads"], result["worker_threads"]
+        assert result["forward_threads"] == ["forward"], result["forward_threads"]
+
