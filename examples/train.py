@@ -41,10 +41,12 @@ With ``--fsdp`` each rank keeps 1/N of the parameters, gradients and AdamW
 state. The snapshot's MODEL_STATE is still the full state dict under the
 bare model's keys (``pydist.fsdp.full_state_dict``, gathered by every rank,
 written by rank 0), so it loads into the bare model as a DDP snapshot does;
-OPTIMIZER_STATE is a list, rank r's optimizer state over its own shards, so
-a sharded snapshot resumes at the same world size only (as RNG states and
-sampler shards already require). The optimizer is built after sharding:
-``model.parameters()`` are then the local shards. At two ranks every
+OPTIMIZER_STATE is a list, rank r's optimizer state over its own shards
+(the DTensors' local tensors: ``_local_state``, put back on the parameters'
+meshes at load: ``_on_parameters``), so a sharded snapshot resumes at the
+same world size only (as RNG states and sampler shards already require).
+The optimizer is built after sharding: ``model.parameters()`` are then
+FSDP2's DTensor parameters. At two ranks every
 averaged gradient element is ``g_0/2 + g_1/2`` under both wrappers and AdamW
 works element by element, so a sharded job ends bitwise where the DDP job
 (pydist's or torch's) ends.
@@ -313,6 +315,31 @@ def progress_bar(loader: DataLoader, job: Job, description: str):
     return tqdm(loader, desc=description, unit="step", leave=False, dynamic_ncols=True, disable=None)
 
 
+def _local_state(state_dict: dict) -> dict:
+    """An optimizer's state dict with each DTensor replaced by its local
+    tensor: this rank's piece, plain (see [Note: the sharded job])."""
+    from torch.distributed.tensor import DTensor
+
+    return {**state_dict, "state": {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in per.items()}
+                                    for i, per in state_dict["state"].items()}}
+
+
+def _on_parameters(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``_local_state``'s dict with each local tensor shaped like its DTensor
+    parameter's local tensor made a DTensor of that parameter's placements again."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, per in state_dict["state"].items():
+        p = params[int(i)]
+        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+                    if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.to_local().shape else v
+                    for k, v in per.items()}
+    return {**state_dict, "state": state}
+
+
 class Trainer:
     """The tutorial's Trainer (``_run_batch``, ``_run_epoch``, snapshots with
     ``MODEL_STATE`` and ``EPOCHS_RUN``), wrapping its model in pydist's DDP
@@ -368,7 +395,8 @@ class Trainer:
     def _load_snapshot(self, snapshot: dict) -> None:
         """The rest of the snapshot, once the optimizer exists (see [Note: the sharded job])."""
         optimizer_state = snapshot["OPTIMIZER_STATE"]
-        self.optimizer.load_state_dict(optimizer_state[self.job.rank] if self.sharded else optimizer_state)
+        self.optimizer.load_state_dict(_on_parameters(self.optimizer, optimizer_state[self.job.rank])
+                                       if self.sharded else optimizer_state)
         if self.scaler is not None and snapshot["SCALER_STATE"] is not None:
             self.scaler.load_state_dict(snapshot["SCALER_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]
@@ -381,7 +409,7 @@ class Trainer:
         rng_states = all_gather_objects(capture_rng_state(self.device), self.job)  # every rank takes part
         if self.sharded:  # collectives too: see [Note: the sharded job]
             model_state = pydist.fsdp.full_state_dict(self.module)
-            optimizer_state = all_gather_objects(self.optimizer.state_dict(), self.job)
+            optimizer_state = all_gather_objects(_local_state(self.optimizer.state_dict()), self.job)
         else:
             model_state, optimizer_state = self.module.state_dict(), self.optimizer.state_dict()
         if self.job.rank != 0:
