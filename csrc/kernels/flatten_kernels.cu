@@ -17,10 +17,12 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 // 16-byte vectors each thread keeps in flight per loop trip: a warp moves
-// 2 KiB per trip.
+// 2 KiB per trip. kUnrollDeep: the kWarpRangesU8* variants' 4 KiB trips.
 constexpr int kUnroll = 4;
-// The smallest range a warp owns (one trip), and kWarpChunks' fixed range.
-constexpr int64_t kMinWarpRangeBytes = 32 * kUnroll * 16;
+constexpr int kUnrollDeep = 8;
+// The smallest range a warp owns (one trip of `unroll` vectors a lane), and
+// kWarpChunks' fixed range.
+constexpr int64_t min_warp_range_bytes(int unroll) { return 32 * static_cast<int64_t>(unroll) * 16; }
 constexpr int64_t kChunkBytes = 16 << 10;
 // Blocks per SM the copy kernel's registers must allow (64 registers a
 // thread): 32 warps, 64 KiB in flight per SM.
@@ -146,16 +148,17 @@ __host__ __device__ inline uint4 shifted(const uint4& a, const uint4& b, int sh)
                     funnel(w[Q + 3], w[Q + 4], sh));
 }
 
-// One warp's trip over destination vectors [base, base + 32 kUnroll): lane
+// One warp's trip over destination vectors [base, base + 32 U) (U = kUnroll in production): lane
 // `lane` owns vectors base + 32 u + lane. It loads its aligned source
 // vectors (those up to `vectors`, the last one read), lane 0 also vector
-// base + 32 kUnroll; then for each u the lane takes vector j + 1 from the
+// base + 32 U; then for each u the lane takes vector j + 1 from the
 // next lane (lane 31 from lane 0, which sends its vector of group u + 1, or
 // `extra`), and stores the shifted pair. `s` points at the lane's first
 // source vector (base + lane), `left` = vectors - base - lane: vector
 // base + 32 u + lane is read when 32 u <= left, stored when 32 u < left.
+template <int U>
 struct ShiftTrip {
-  uint4 v[kUnroll];
+  uint4 v[U];
   uint4 extra;
 };
 
@@ -169,18 +172,20 @@ __host__ __device__ inline uint4 load_vector(const uint4* p) {
 #endif
 }
 
-__host__ __device__ inline void load_trip(ShiftTrip& t, const uint4* s, int64_t left, int lane) {
+template <int U>
+__host__ __device__ inline void load_trip(ShiftTrip<U>& t, const uint4* s, int64_t left, int lane) {
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-  for (int u = 0; u < kUnroll; ++u) t.v[u] = 32 * u <= left ? load_vector(s + 32 * u) : make_uint4(0, 0, 0, 0);
-  t.extra = lane == 0 && 32 * kUnroll <= left ? load_vector(s + 32 * kUnroll) : make_uint4(0, 0, 0, 0);
+  for (int u = 0; u < U; ++u) t.v[u] = 32 * u <= left ? load_vector(s + 32 * u) : make_uint4(0, 0, 0, 0);
+  t.extra = lane == 0 && 32 * U <= left ? load_vector(s + 32 * U) : make_uint4(0, 0, 0, 0);
 }
 
 // What lane `lane` sends its left neighbour for group u.
-__host__ __device__ inline uint4 trip_send(const ShiftTrip& t, int u, int lane) {
+template <int U>
+__host__ __device__ inline uint4 trip_send(const ShiftTrip<U>& t, int u, int lane) {
   if (lane != 0) return t.v[u];
-  return u + 1 < kUnroll ? t.v[u + 1 < kUnroll ? u + 1 : u] : t.extra;
+  return u + 1 < U ? t.v[u + 1 < U ? u + 1 : u] : t.extra;
 }
 
 __device__ inline uint4 shfl_vec(const uint4& v, int from) {
@@ -188,43 +193,45 @@ __device__ inline uint4 shfl_vec(const uint4& v, int from) {
                     __shfl_sync(0xffffffffu, v.z, from), __shfl_sync(0xffffffffu, v.w, from));
 }
 
-template <int Q>
+template <int U, int Q>
 __device__ void copy_vectors_shifted(uint4* __restrict__ d, const uint4* __restrict__ s, int sh, int64_t vectors,
                                      const Team& t) {
-  const int64_t trip = static_cast<int64_t>(t.warps) * 32 * kUnroll;
+  const int64_t trip = static_cast<int64_t>(t.warps) * 32 * U;
   const int from = (t.lane + 1) & 31;
   // `base` is the same on every lane: the shuffles need the whole warp.
-  for (int64_t base = static_cast<int64_t>(t.warp) * 32 * kUnroll; base < vectors; base += trip) {
+  for (int64_t base = static_cast<int64_t>(t.warp) * 32 * U; base < vectors; base += trip) {
     const int64_t left = vectors - base - t.lane;
-    ShiftTrip trip_values;
+    ShiftTrip<U> trip_values;
     load_trip(trip_values, s + base + t.lane, left, t.lane);
     uint4* out = d + base + t.lane;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const uint4 next = shfl_vec(trip_send(trip_values, u, t.lane), from);
       if (32 * u < left) out[32 * u] = shifted<Q>(trip_values.v[u], next, sh);
     }
   }
 }
 
+template <int U>
 __device__ void copy_vectors(uint4* __restrict__ d, const uint4* __restrict__ s, int64_t vectors, const Team& t) {
-  const int64_t trip = static_cast<int64_t>(t.warps) * 32 * kUnroll;
-  for (int64_t base = static_cast<int64_t>(t.warp) * 32 * kUnroll + t.lane; base < vectors; base += trip) {
+  const int64_t trip = static_cast<int64_t>(t.warps) * 32 * U;
+  for (int64_t base = static_cast<int64_t>(t.warp) * 32 * U + t.lane; base < vectors; base += trip) {
     const int64_t left = vectors - base;
     const uint4* in = s + base;
     uint4* out = d + base;
-    uint4 v[kUnroll];
+    uint4 v[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < U; ++u)
       if (32 * u < left) v[u] = load_vector(in + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < U; ++u)
       if (32 * u < left) out[32 * u] = v[u];
   }
 }
 
-// Copies one piece, run by the whole team. `wide` false: the narrow copy
-// alone (kWarpNarrow).
+// Copies one piece, run by the whole team, U 16-byte vectors a lane per
+// trip. `wide` false: the narrow copy alone (kWarpNarrow).
+template <int U>
 __device__ void copy_piece(char* dst, const char* src, int64_t n, const Team& t, bool wide) {
   const PiecePlan p = wide ? plan_piece(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), n)
                            : PiecePlan{n, 0, 0};
@@ -235,12 +242,12 @@ __device__ void copy_piece(char* dst, const char* src, int64_t n, const Team& t,
     const int sh = (p.shift & 3) * 8;
     switch (p.shift >> 2) {
       case 0:
-        if (p.shift == 0) copy_vectors(d, s, p.vectors, t);
-        else copy_vectors_shifted<0>(d, s, sh, p.vectors, t);
+        if (p.shift == 0) copy_vectors<U>(d, s, p.vectors, t);
+        else copy_vectors_shifted<U, 0>(d, s, sh, p.vectors, t);
         break;
-      case 1: copy_vectors_shifted<1>(d, s, sh, p.vectors, t); break;
-      case 2: copy_vectors_shifted<2>(d, s, sh, p.vectors, t); break;
-      default: copy_vectors_shifted<3>(d, s, sh, p.vectors, t); break;
+      case 1: copy_vectors_shifted<U, 1>(d, s, sh, p.vectors, t); break;
+      case 2: copy_vectors_shifted<U, 2>(d, s, sh, p.vectors, t); break;
+      default: copy_vectors_shifted<U, 3>(d, s, sh, p.vectors, t); break;
     }
   }
   const int64_t done = p.head + 16 * p.vectors;
@@ -346,16 +353,19 @@ __device__ inline bool my_range(const Grid& g, int64_t flat_bytes, Team* team, i
 
 enum class Direction { kToFlat, kFromFlat };
 
-template <Direction kDir>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+// U: 16-byte vectors a lane per trip; kMinBlocks: blocks per SM the
+// registers must allow (kMinBlocksPerSm for production; fewer lets the
+// kWarpRangesU8Lb3/Lb2 variants hold a deeper unroll in registers).
+template <Direction kDir, int U = kUnroll, int kMinBlocks = kMinBlocksPerSm>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
 copy_kernel(const Segment* segs, int64_t n_segs, char* flat, int64_t flat_bytes, Grid grid) {
   Team team;
   int64_t begin, end;
   if (!my_range(grid, flat_bytes, &team, &begin, &end)) return;
   __shared__ Segment slabs[kWarpsPerBlock][32];
   for_range_pieces(segs, n_segs, begin, end, team.lane, slabs[threadIdx.x >> 5], [&](char* tensor, int64_t at, int64_t flat_at, int64_t n) {
-    if (kDir == Direction::kToFlat) copy_piece(flat + flat_at, tensor + at, n, team, grid.wide);
-    else copy_piece(tensor + at, flat + flat_at, n, team, grid.wide);
+    if (kDir == Direction::kToFlat) copy_piece<U>(flat + flat_at, tensor + at, n, team, grid.wide);
+    else copy_piece<U>(tensor + at, flat + flat_at, n, team, grid.wide);
   });
 }
 
@@ -404,6 +414,14 @@ cudaError_t resident_blocks(const void* kernel, int* blocks) {
   return cudaSuccess;
 }
 
+// 16-byte vectors a lane per trip in `variant`'s copy kernel.
+constexpr int variant_unroll(FlattenVariant variant) {
+  return variant == FlattenVariant::kWarpRangesU8 || variant == FlattenVariant::kWarpRangesU8Lb3 ||
+                 variant == FlattenVariant::kWarpRangesU8Lb2
+             ? kUnrollDeep
+             : kUnroll;
+}
+
 // The grid of `variant` for flat_bytes (> 0); ranges are multiples of 16
 // bytes, so no range splits an element of the scaled copy.
 cudaError_t plan_grid(int64_t flat_bytes, FlattenVariant variant, const void* kernel, Grid* grid) {
@@ -415,7 +433,8 @@ cudaError_t plan_grid(int64_t flat_bytes, FlattenVariant variant, const void* ke
     if (err != cudaSuccess) return err;
     const int64_t ranges = static_cast<int64_t>(blocks) * kWarpsPerBlock / per_range;
     range = (flat_bytes + ranges - 1) / ranges;
-    if (range < per_range * kMinWarpRangeBytes) range = per_range * kMinWarpRangeBytes;
+    const int64_t min_range = per_range * min_warp_range_bytes(variant_unroll(variant));
+    if (range < min_range) range = min_range;
   }
   range = (range + 15) / 16 * 16;
   const int64_t warps = (flat_bytes + range - 1) / range * per_range;
@@ -445,14 +464,17 @@ cudaError_t launch_copy(int64_t n_segments, const void* flat, int64_t flat_bytes
   if (n_segments < 0 || flat_bytes < 0 || !valid_variant(variant)) return cudaErrorInvalidValue;
   if (n_segments == 0 || flat_bytes == 0) return cudaSuccess;
   if (flat == nullptr || device_table == nullptr) return cudaErrorInvalidValue;
-  const void* kernel = reinterpret_cast<const void*>(&copy_kernel<kDir>);
+  using Kernel = void (*)(const Segment*, int64_t, char*, int64_t, Grid);
+  Kernel kernel = &copy_kernel<kDir>;
+  if (variant == FlattenVariant::kWarpRangesU8) kernel = &copy_kernel<kDir, kUnrollDeep, kMinBlocksPerSm>;
+  if (variant == FlattenVariant::kWarpRangesU8Lb3) kernel = &copy_kernel<kDir, kUnrollDeep, 3>;
+  if (variant == FlattenVariant::kWarpRangesU8Lb2) kernel = &copy_kernel<kDir, kUnrollDeep, 2>;
   Grid grid;
-  cudaError_t err = plan_grid(flat_bytes, variant, kernel, &grid);
+  cudaError_t err = plan_grid(flat_bytes, variant, reinterpret_cast<const void*>(kernel), &grid);
   if (err != cudaSuccess) return err;
   // The kernel only reads `flat` when copying from it; one kernel serves both.
-  copy_kernel<kDir><<<grid.blocks, kThreads, 0, stream>>>(static_cast<const Segment*>(device_table), n_segments,
-                                                          const_cast<char*>(static_cast<const char*>(flat)),
-                                                          flat_bytes, grid);
+  kernel<<<grid.blocks, kThreads, 0, stream>>>(static_cast<const Segment*>(device_table), n_segments,
+                                               const_cast<char*>(static_cast<const char*>(flat)), flat_bytes, grid);
   return cudaGetLastError();
 }
 
@@ -480,14 +502,14 @@ void reference_scale(const Segment* segments, int64_t n_segments, const char* fl
   }
 }
 
-template <int Q>
+template <int U, int Q>
 void emulate_shifted(uint4* d, const uint4* s, int sh, int64_t vectors, int warps) {
-  const int64_t trip = static_cast<int64_t>(warps) * 32 * kUnroll;
+  const int64_t trip = static_cast<int64_t>(warps) * 32 * U;
   for (int w = 0; w < warps; ++w) {
-    for (int64_t base = static_cast<int64_t>(w) * 32 * kUnroll; base < vectors; base += trip) {
-      ShiftTrip lanes[32];
+    for (int64_t base = static_cast<int64_t>(w) * 32 * U; base < vectors; base += trip) {
+      ShiftTrip<U> lanes[32];
       for (int lane = 0; lane < 32; ++lane) load_trip(lanes[lane], s + base + lane, vectors - base - lane, lane);
-      for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < U; ++u)
         for (int lane = 0; lane < 32; ++lane) {
           const int from = (lane + 1) & 31;
           const uint4 next = trip_send(lanes[from], u, from);
@@ -519,6 +541,9 @@ const char* flatten_variant_name(FlattenVariant variant) {
     case FlattenVariant::kBlockRanges: return "block-ranges";
     case FlattenVariant::kWarpChunks: return "warp-chunks";
     case FlattenVariant::kWarpNarrow: return "warp-narrow";
+    case FlattenVariant::kWarpRangesU8: return "warp-ranges-u8";
+    case FlattenVariant::kWarpRangesU8Lb3: return "warp-ranges-u8-lb3";
+    case FlattenVariant::kWarpRangesU8Lb2: return "warp-ranges-u8-lb2";
   }
   return "?";
 }
@@ -572,7 +597,21 @@ cudaError_t launch_unflatten_scaled(const Segment* segments, int64_t n_segments,
   return cudaErrorInvalidValue;
 }
 
-int64_t emulate_piece_copy(char* dst, const char* src, int64_t n, int warps) {
+template <int U>
+void emulate_vectors(uint4* d, const uint4* s, int shift, int64_t vectors, int warps) {
+  const int sh = (shift & 3) * 8;
+  switch (shift >> 2) {
+    case 0:
+      if (shift == 0) std::memcpy(d, s, static_cast<size_t>(16 * vectors));
+      else emulate_shifted<U, 0>(d, s, sh, vectors, warps);
+      break;
+    case 1: emulate_shifted<U, 1>(d, s, sh, vectors, warps); break;
+    case 2: emulate_shifted<U, 2>(d, s, sh, vectors, warps); break;
+    default: emulate_shifted<U, 3>(d, s, sh, vectors, warps); break;
+  }
+}
+
+int64_t emulate_piece_copy(char* dst, const char* src, int64_t n, int warps, int unroll) {
   const PiecePlan p = plan_piece(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), n);
   int64_t violations = 0;
   // Every byte in exactly one part; every source vector read inside the piece.
@@ -583,21 +622,14 @@ int64_t emulate_piece_copy(char* dst, const char* src, int64_t n, int warps) {
     const char* aligned = src + p.head - p.shift;
     violations += aligned < src || aligned + 16 * (p.vectors + 1) > src + n;
   }
-  if (violations > 0 || warps < 1) return violations + (warps < 1);
+  const bool bad_args = warps < 1 || (unroll != kUnroll && unroll != kUnrollDeep);
+  if (violations > 0 || bad_args) return violations + bad_args;
   std::memcpy(dst, src, static_cast<size_t>(p.head));
   if (p.vectors > 0) {
     uint4* d = reinterpret_cast<uint4*>(dst + p.head);
     const uint4* s = reinterpret_cast<const uint4*>(src + p.head - p.shift);
-    const int sh = (p.shift & 3) * 8;
-    switch (p.shift >> 2) {
-      case 0:
-        if (p.shift == 0) std::memcpy(d, s, static_cast<size_t>(16 * p.vectors));
-        else emulate_shifted<0>(d, s, sh, p.vectors, warps);
-        break;
-      case 1: emulate_shifted<1>(d, s, sh, p.vectors, warps); break;
-      case 2: emulate_shifted<2>(d, s, sh, p.vectors, warps); break;
-      default: emulate_shifted<3>(d, s, sh, p.vectors, warps); break;
-    }
+    if (unroll == kUnrollDeep) emulate_vectors<kUnrollDeep>(d, s, p.shift, p.vectors, warps);
+    else emulate_vectors<kUnroll>(d, s, p.shift, p.vectors, warps);
   }
   std::memcpy(dst + done, src + done, static_cast<size_t>(n - done));
   return 0;

@@ -83,8 +83,27 @@ cudaError_t launch_flatten(const Segment* segments, int64_t n_segments, void* fl
 //   kWarpNarrow   kWarpRanges without the shifted 16-byte path: every piece
 //                 in the widest word source and destination agree on, one
 //                 word per lane per trip (what the shift buys)
-enum class FlattenVariant : int { kWarpRanges = 0, kBlockRanges = 1, kWarpChunks = 2, kWarpNarrow = 3 };
-constexpr int kFlattenVariants = 4;
+//   kWarpRangesU8 kWarpRanges with 8 16-byte vectors in flight per lane per
+//                 trip instead of 4 (4 KiB a warp trip), same register cap
+//                 (__launch_bounds__ for 4 blocks of 256 threads an SM: 64
+//                 registers a thread, 32 warps an SM; spills on sm_90)
+//   kWarpRangesU8Lb3  the same capped for 3 blocks an SM (80 registers, 24
+//                 warps an SM; spills less)
+//   kWarpRangesU8Lb2  the same capped for 2 blocks an SM (128 registers, 16
+//                 warps an SM; no spill, as many bytes in flight an SM as
+//                 kWarpRanges)
+// The grid of every warp-ranges variant is as many warps as the kernel's
+// occupancy holds resident (cudaOccupancyMaxActiveBlocksPerMultiprocessor).
+enum class FlattenVariant : int {
+  kWarpRanges = 0,
+  kBlockRanges = 1,
+  kWarpChunks = 2,
+  kWarpNarrow = 3,
+  kWarpRangesU8 = 4,
+  kWarpRangesU8Lb3 = 5,
+  kWarpRangesU8Lb2 = 6,
+};
+constexpr int kFlattenVariants = 7;
 const char* flatten_variant_name(FlattenVariant variant);
 
 // launch_flatten with a chosen variant, of a table the caller has already put
@@ -118,8 +137,10 @@ void reference_unflatten_scaled(const Segment* segments, int64_t n_segments, con
 // exchange and shifts as a team of `warps` warps runs them, lanes emulated
 // one by one. Checks the split as it goes (every byte copied once, no load
 // outside the piece); returns the number of violations (0: dst now holds the
-// piece). Lets a machine without a GPU test the shifted path.
-int64_t emulate_piece_copy(char* dst, const char* src, int64_t n, int warps);
+// piece). Lets a machine without a GPU test the shifted path. `unroll`: 16-byte
+// vectors a lane per trip, 4 (production) or 8 (kWarpRangesU8*); any other
+// value counts as a violation.
+int64_t emulate_piece_copy(char* dst, const char* src, int64_t n, int warps, int unroll = 4);
 
 // Size in bytes of one element of `type`.
 int scaled_type_size(ScaledType type);

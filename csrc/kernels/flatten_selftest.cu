@@ -278,7 +278,8 @@ int bench_row(const Row& row, FlattenVariant variant, uint64_t seed, double* kra
 // --- the host emulation (no GPU) --------------------------------------------------
 
 // emulate_piece_copy for every source and destination alignment modulo 16,
-// lengths around the wide threshold and the trip sizes, teams of 1, 2 and 8
+// lengths around the wide threshold and the trip sizes, 4 and 8 vectors a
+// lane per trip (kWarpRanges, kWarpRangesU8*), teams of 1, 2 and 8
 // warps: every byte must arrive, no byte outside the piece may change, and
 // the split must hold (see emulate_piece_copy). Returns wrong bytes plus
 // violations.
@@ -286,6 +287,7 @@ int64_t host_check() {
   const int64_t lengths[] = {0, 1, 15, 16, 17, 31, 255, 256, 257, 300, 511, 512, 527, 1000, 2047, 2048,
                              2049, 2064, 4095, 4096, 4111, 6000, 16400};
   const int warps[] = {1, 2, 8};
+  const int unrolls[] = {4, 8};  // production, kWarpRangesU8*
   constexpr int64_t kCap = 16400 + 64;
   std::vector<uint4> src_store(kCap / 16 + 2), dst_store(kCap / 16 + 2);  // 16-byte aligned
   char* src_base = reinterpret_cast<char*>(src_store.data());
@@ -293,18 +295,19 @@ int64_t host_check() {
   std::mt19937_64 rng(99);
   for (size_t i = 0; i < src_store.size() * 16; ++i) src_base[i] = static_cast<char>(rng());
   int64_t wrong = 0, cases = 0;
-  for (int w : warps)
-    for (int64_t n : lengths)
-      for (int ds = 0; ds < 16; ++ds)
-        for (int ss = 0; ss < 16; ++ss) {
-          std::memset(dst_base, 0x5a, dst_store.size() * 16);
-          wrong += k::emulate_piece_copy(dst_base + ds, src_base + ss, n, w);
-          for (int64_t i = 0; i < static_cast<int64_t>(dst_store.size() * 16); ++i) {
-            const bool inside = i >= ds && i < ds + n;
-            wrong += dst_base[i] != (inside ? src_base[ss + i - ds] : static_cast<char>(0x5a));
+  for (int unroll : unrolls)
+    for (int w : warps)
+      for (int64_t n : lengths)
+        for (int ds = 0; ds < 16; ++ds)
+          for (int ss = 0; ss < 16; ++ss) {
+            std::memset(dst_base, 0x5a, dst_store.size() * 16);
+            wrong += k::emulate_piece_copy(dst_base + ds, src_base + ss, n, w, unroll);
+            for (int64_t i = 0; i < static_cast<int64_t>(dst_store.size() * 16); ++i) {
+              const bool inside = i >= ds && i < ds + n;
+              wrong += dst_base[i] != (inside ? src_base[ss + i - ds] : static_cast<char>(0x5a));
+            }
+            ++cases;
           }
-          ++cases;
-        }
   std::printf("# host emulation of the wide piece copy: %lld cases, %lld wrong bytes or violations\n",
               static_cast<long long>(cases), static_cast<long long>(wrong));
   return wrong;
@@ -399,11 +402,11 @@ int main(int argc, char** argv) {
   }
   std::printf("#\n# summary: D2D copy time / kernel time (kratio; target >= 0.85); the last column with the\n"
               "# table staged as the torch ops do (ratio; production launcher only)\n");
-  std::printf("%-14s %10s %10s %14s %16s\n", "# variant", "2000", "10000", "2000 aligned", "2000 launcher");
+  std::printf("%-20s %10s %10s %14s %16s\n", "# variant", "2000", "10000", "2000 aligned", "2000 launcher");
   for (size_t vi = 0; vi < variants.size(); ++vi) {
     char launcher[16] = "-";
     if (launcher_2000[vi] > 0) std::snprintf(launcher, sizeof(launcher), "%.2f", launcher_2000[vi]);
-    std::printf("%-14s %10.2f %10.2f %14.2f %16s\n", k::flatten_variant_name(variants[vi]), ratio_2000[vi],
+    std::printf("%-20s %10.2f %10.2f %14.2f %16s\n", k::flatten_variant_name(variants[vi]), ratio_2000[vi],
                 ratio_10000[vi], ratio_a16[vi], launcher);
   }
   std::printf("#\n# %s: %lld wrong bytes\n", wrong == 0 ? "PASSED" : "FAILED", static_cast<long long>(wrong));
