@@ -67,7 +67,11 @@ def main():
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[10.0, 2.0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--wrapper", choices=("ddp", "fully_shard"), default="ddp")
+    parser.add_argument("--save", metavar="DIR", help="keep each run's merged trace in DIR (to re-score later)")
+    parser.add_argument("--load", metavar="DIR", help="score the merged traces a --save run kept, running nothing")
     args = parser.parse_args()
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
     print(f"{args.wrapper}, {args.runs} runs per row, {args.steps} steps each; hit = the right rank alone, "
           "delay within 25%")
     print(f"{'ranks':>5} {'injected ms':>11} {'hits':>6} {'false':>6} {'median found ms':>15}")
@@ -75,11 +79,17 @@ def main():
         for delay in [*args.delays_ms, 0.0]:
             hits = false = 0
             found_delays = []
-            for _ in range(args.runs):
-                with tempfile.TemporaryDirectory(prefix="bench_stragglers_") as directory:
-                    run_ranks(_run, ranks, args=(directory, delay / 1e3, args.wrapper, args.steps), timeout=300)
-                    document = trace.merge_traces(_rank_files([directory]))
-                    found = report.report_json(document)["stragglers"]
+            for i in range(args.runs):
+                name = f"{args.wrapper}_r{ranks}_d{delay:g}_{i}.json"
+                if args.load:
+                    document = trace.load_trace(os.path.join(args.load, name))
+                else:
+                    with tempfile.TemporaryDirectory(prefix="bench_stragglers_") as directory:
+                        run_ranks(_run, ranks, args=(directory, delay / 1e3, args.wrapper, args.steps), timeout=300)
+                        document = trace.merge_traces(_rank_files([directory]))
+                    if args.save:
+                        trace.write_trace(os.path.join(args.save, name), document)
+                found = report.report_json(document)["stragglers"]
                 if delay == 0:
                     false += bool(found)
                     continue
