@@ -152,3 +152,15 @@ def test_rule_ignores_a_few_descheduled_steps_and_names_none_when_balanced():
     assert [f["rank"] for f in found] == [1] and abs(found[0]["delay_ms"] - 10.0) <= 1.0, found
     # one rank's trace alone names none
     assert stragglers([s for s in _synthetic(slow, starts) if s.rank == 1]) == []
+
+
+def test_delay_is_where_the_excess_clusters_not_the_preempted_tail():
+    """A 2 ms straggler that a busy machine preempted in 6 of 12 steps (3-8 ms
+    more there): ``delay_ms`` stays at 2 ms, ``median_ms`` reads the tail."""
+    from pydist.overlap.report import stragglers
+
+    stretched = {1: 3.0, 2: 4.0, 4: 8.0, 6: 5.0, 9: 4.0, 11: 6.0}
+    spans = [[6.0 + _jitter(s, 0), 6.0 + _jitter(s, 5) + 2.0 + stretched.get(s, 0.0)] for s in range(12)]
+    found = stragglers(_synthetic(spans, [[0.0, 0.0]] * 12))
+    assert [f["rank"] for f in found] == [1], found
+    assert abs(found[0]["delay_ms"] - 2.0) <= 0.2 and found[0]["median_ms"] > 2.5, found
