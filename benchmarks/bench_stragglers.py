@@ -4,6 +4,10 @@ with the right rank, its delay within 25%, in at least 19 of 20 runs, at 2
 and 4 ranks; a balanced run names no straggler in 20 of 20.
 
     python benchmarks/bench_stragglers.py [--runs 20] [--ranks 2 4] [--delays-ms 10 2] [--wrapper ddp|fully_shard]
+                                          [--save DIR | --load DIR]
+
+--save DIR keeps each run's merged trace; --load DIR scores those traces
+again (another detection rule, the same runs) without running anything.
 
 Each run is a fresh set of ranks (pydist.spawn) training a small model for
 --steps steps under PYDIST_TRACE; the slow rank is the last one (a busy
