@@ -77,14 +77,15 @@ def _run(model_name, bw, latency, cap, steps, rank, chunk=0.0):
     return [r.finalize_end_ms for r in overlap.records(ddp)]
 
 
-def _record(model_name, bw, latency, cap, steps, rank, directory):
+def _record(model_name, bw, latency, cap, steps, rank, directory, first_cap=None):
     """One recorded run into ``directory`` (PYDIST_TRACE, as an unchanged script gets it)."""
     from pydist import DistributedDataParallel as DDP
     from pydist.overlap import hooks
 
     os.environ["PYDIST_TRACE"] = directory
     try:
-        ddp = DDP(build_model(model_name), bucket_cap_mb=cap, allreduce_chunk_mb=0, sim_net=f"{bw}Gbps,{latency}")
+        ddp = DDP(build_model(model_name), bucket_cap_mb=cap, first_bucket_cap_mb=first_cap, allreduce_chunk_mb=0,
+                  sim_net=f"{bw}Gbps,{latency}")
         x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
         for _ in range(steps + 2):
             dist.barrier()
@@ -98,14 +99,14 @@ class _Recorder:
     """One recorded run of a model (PYDIST_TRACE, as an unchanged script
     gets it) whose steps are taken one at a time, between measured cells."""
 
-    def __init__(self, model_name, bw, latency, cap, rank, directory):
+    def __init__(self, model_name, bw, latency, cap, rank, directory, first_cap=None):
         from pydist import DistributedDataParallel as DDP
         from pydist.overlap import hooks
 
         os.environ["PYDIST_TRACE"] = directory
         try:
-            self.ddp = DDP(build_model(model_name), bucket_cap_mb=cap, allreduce_chunk_mb=0,
-                           sim_net=f"{bw}Gbps,{latency}")
+            self.ddp = DDP(build_model(model_name), bucket_cap_mb=cap, first_bucket_cap_mb=first_cap,
+                           allreduce_chunk_mb=0, sim_net=f"{bw}Gbps,{latency}")
         finally:
             del os.environ["PYDIST_TRACE"]
         self.session = hooks.TraceSession.get(directory)
@@ -125,6 +126,11 @@ class _Recorder:
         _step(self.ddp, self.x)
 
 
+def _record_first_cap(args):
+    """The recorded run's first bucket cap (MB): --record's third value, else the cap's (the wrapper's rule)."""
+    return args.record[2] if len(args.record) > 2 else None
+
+
 def sweep(rank, world_size, args, directories):
     cells = [(m, bw, cap, chunk) for m in args.models for bw in args.bandwidths for cap in args.caps
              for chunk in args.chunks]
@@ -133,9 +139,11 @@ def sweep(rank, world_size, args, directories):
         # a cell first, discarded: the recording should see a warmed-up process, as the measured cells do
         _run(m, args.record[0], args.latency, args.record[1], args.steps, rank)
         if args.record_first:
-            _record(m, args.record[0], args.latency, args.record[1], args.record_steps, rank, directories[m])
+            _record(m, args.record[0], args.latency, args.record[1], args.record_steps, rank, directories[m],
+                    _record_first_cap(args))
         else:
-            recorders[m] = _Recorder(m, args.record[0], args.latency, args.record[1], rank, directories[m])
+            recorders[m] = _Recorder(m, args.record[0], args.latency, args.record[1], rank, directories[m],
+                                     _record_first_cap(args))
             for _ in range(2):
                 recorders[m].step()
     # Recorded steps spread evenly over the sweep: see [Note: a shared machine] in the module docstring.
@@ -186,8 +194,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid_arguments(parser, [0.0],
                        "allreduce_chunk_mb values of the measured cells (0: whole buckets; the recording's is 0)")
-    parser.add_argument("--record", type=floats, default=[10.0, 1.0], metavar="GBPS,CAP",
-                        help="the recorded run's link (Gb/s) and cap (MB)")
+    parser.add_argument("--record", type=floats, default=[10.0, 1.0], metavar="GBPS,CAP[,FIRST_CAP]",
+                        help="the recorded run's link (Gb/s), cap (MB) and first bucket's cap (MB; default: the cap). "
+                             "Buckets of unlike sizes let the predictor measure the transport's fixed cost per "
+                             "collective apart from its cost per byte ([Note: the transport's fixed cost])")
     parser.add_argument("--record-steps", type=int, default=12, help="steps of the recorded run (about)")
     parser.add_argument("--record-first", action="store_true",
                         help="record every step of the recorded run before measuring (default: spread over the sweep)")
@@ -246,13 +256,16 @@ def main():
                                     "recommended_measured_ms": measured_by_cap[rec["cap_mb"]],
                                     "best_measured_ms": measured_by_cap[best],
                                     "within": measured_by_cap[rec["cap_mb"]] / measured_by_cap[best] - 1})
-        print(f"{m}: recorded at {args.record[0]:g} Gb/s, cap {args.record[1]:g} MB: step "
+        print(f"{m}: recorded at {args.record[0]:g} Gb/s, cap {args.record[1]:g} MB"
+              + (f", first bucket {args.record[2]:g} MB" if len(args.record) > 2 else "") + ": step "
               f"{predict.recorded_step_ms(recording):.2f} ms; calibration {json.dumps(cal.describe())}",
               file=sys.stderr)
     mae = statistics.fmean(abs(r["error"]) for r in rows)
     noise = statistics.fmean(r["round_noise"] for r in rows)
     result = {"cells": rows, "recommended": recommended, "mae": mae, "round_noise": noise, "seconds": time.perf_counter() - started,
-              "record": {"bandwidth_gbps": args.record[0], "cap_mb": args.record[1]}, "rounds": args.rounds,
+              "record": {"bandwidth_gbps": args.record[0], "cap_mb": args.record[1],
+                         "first_cap_mb": args.record[2] if len(args.record) > 2 else args.record[1]},
+              "rounds": args.rounds,
               "steps": args.steps}
     if args.plot:
         _plot(rows, mae, args.plot)

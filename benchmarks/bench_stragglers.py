@@ -4,6 +4,10 @@ with the right rank, its delay within 25%, in at least 19 of 20 runs, at 2
 and 4 ranks; a balanced run names no straggler in 20 of 20.
 
     python benchmarks/bench_stragglers.py [--runs 20] [--ranks 2 4] [--delays-ms 10 2] [--wrapper ddp|fully_shard]
+                                          [--save DIR | --load DIR]
+
+--save DIR keeps each run's merged trace; --load DIR scores those traces
+again (another detection rule, the same runs) without running anything.
 
 Each run is a fresh set of ranks (pydist.spawn) training a small model for
 --steps steps under PYDIST_TRACE; the slow rank is the last one (a busy
@@ -67,7 +71,11 @@ def main():
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[10.0, 2.0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--wrapper", choices=("ddp", "fully_shard"), default="ddp")
+    parser.add_argument("--save", metavar="DIR", help="keep each run's merged trace in DIR (to re-score later)")
+    parser.add_argument("--load", metavar="DIR", help="score the merged traces a --save run kept, running nothing")
     args = parser.parse_args()
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
     print(f"{args.wrapper}, {args.runs} runs per row, {args.steps} steps each; hit = the right rank alone, "
           "delay within 25%")
     print(f"{'ranks':>5} {'injected ms':>11} {'hits':>6} {'false':>6} {'median found ms':>15}")
@@ -75,11 +83,17 @@ def main():
         for delay in [*args.delays_ms, 0.0]:
             hits = false = 0
             found_delays = []
-            for _ in range(args.runs):
-                with tempfile.TemporaryDirectory(prefix="bench_stragglers_") as directory:
-                    run_ranks(_run, ranks, args=(directory, delay / 1e3, args.wrapper, args.steps), timeout=300)
-                    document = trace.merge_traces(_rank_files([directory]))
-                    found = report.report_json(document)["stragglers"]
+            for i in range(args.runs):
+                name = f"{args.wrapper}_r{ranks}_d{delay:g}_{i}.json"
+                if args.load:
+                    document = trace.load_trace(os.path.join(args.load, name))
+                else:
+                    with tempfile.TemporaryDirectory(prefix="bench_stragglers_") as directory:
+                        run_ranks(_run, ranks, args=(directory, delay / 1e3, args.wrapper, args.steps), timeout=300)
+                        document = trace.merge_traces(_rank_files([directory]))
+                    if args.save:
+                        trace.write_trace(os.path.join(args.save, name), document)
+                found = report.report_json(document)["stragglers"]
                 if delay == 0:
                     false += bool(found)
                     continue

@@ -32,10 +32,11 @@ step under the new settings and takes the median:
    transfer at a time per rank, in launch order, each taking the
    alpha-beta time of a ring all-reduce; a chunk completes at the later of
    its modelled end and when the transport behind the link (shared memory)
-   finished it, which needs every rank's launch and ``inner`` ms per byte
-   (measured from recorded chunks that completed after their modelled
-   end), plus ``completion_delay`` (the timer thread waking late: the
-   median lateness of recorded chunks against the recorded link's model).
+   finished it, which needs every rank's launch and then ``inner_fixed``
+   ms per collective plus ``inner`` ms per byte, plus ``completion_delay``
+   (the timer thread waking late: the median lateness of recorded chunks
+   against the recorded link's model). See [Note: the transport's fixed
+   cost] for how the two inner costs are measured.
 4. Finalize. After autograd, buckets are waited for in order and written
    back at ``write_back`` ms per byte (measured): the step ends when the
    last is written back ([Note: exposed communication] in analysis.py).
@@ -55,7 +56,8 @@ from typing import NamedTuple, Sequence
 
 from pydist.overlap import network
 
-__all__ = ["Settings", "Calibration", "Prediction", "BucketPrediction", "Recording", "load_recording", "chunk_slots",
+__all__ = ["Settings", "Calibration", "fit_fixed_and_per_byte", "Prediction", "BucketPrediction", "Recording",
+           "load_recording", "chunk_slots",
            "rebucket", "calibrate", "settings_for", "predict", "recommend", "recorded_step_ms", "predict_json",
            "predict_text"]
 
@@ -63,9 +65,9 @@ MB = 1024 * 1024
 # Lateness (ms) beyond which a recorded chunk counts as finished by the
 # transport behind the link rather than by the link's model.
 _INNER_BOUND_MS = 0.3
-# Chunks below this size tell the transport's cost per byte apart from its
-# fixed costs (a thread waking up) too poorly to measure it from.
-_INNER_MIN_BYTES = 256 * 1024
+# Two recorded chunks whose sizes differ by at least this factor measure
+# the transport's cost per byte apart from its fixed cost per collective.
+_INNER_SIZE_RATIO = 1.5
 
 
 class Settings(NamedTuple):
@@ -89,9 +91,15 @@ class Calibration(NamedTuple):
     inner_ms_per_byte: float       # the transport behind the link, per byte all-reduced
     completion_delay_ms: float     # a held completion's lateness
     write_back_ms_per_byte: float  # finalize writing a bucket back
+    inner_fixed_ms: float = 0.0    # the transport behind the link, per collective (see [Note: the transport's fixed cost])
+
+    def inner_ms(self, nbytes: int) -> float:
+        """The transport's time for one collective of ``nbytes``."""
+        return self.inner_fixed_ms + self.inner_ms_per_byte * nbytes
 
     def describe(self) -> dict:
-        return {"slowdown_ms_per_mb": self.slowdown_ms_per_byte * MB, "inner_ms_per_mb": self.inner_ms_per_byte * MB,
+        return {"slowdown_ms_per_mb": self.slowdown_ms_per_byte * MB, "inner_fixed_ms": self.inner_fixed_ms,
+                "inner_ms_per_mb": self.inner_ms_per_byte * MB,
                 "completion_delay_ms": self.completion_delay_ms,
                 "write_back_ms_per_mb": self.write_back_ms_per_byte * MB}
 
@@ -306,17 +314,56 @@ def calibrate(recording: Recording) -> Calibration:
                 free = due
                 late = c.complete_ms - due
                 lateness.append(late)
-                if late > _INNER_BOUND_MS and c.bytes >= _INNER_MIN_BYTES:
+                if late > _INNER_BOUND_MS and c.bytes > 0:
                     # the transport starts it once every rank launched it and it finished the one before
                     start = max(max(launches[k]) - r.start_ms, previous)
                     inner.append((c.complete_ms - start, c.bytes))
                 previous = c.complete_ms
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
-    inner_per_byte = (max(0.0, statistics.median((t - delay) / b for t, b in inner)) if inner else 0.0)
+    inner_fixed, inner_per_byte = fit_fixed_and_per_byte([(t - delay, b) for t, b in inner])
     # the median, not the ratio of sums: a write-back the scheduler interrupted is an outlier, not a cost
     write_back = [t / b for v in recording.steps.values() for r in v for b, t in r.write_back if b > 0]
-    return Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0)
+    return Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0,
+                       inner_fixed)
+
+
+# [Note: the transport's fixed cost]
+# A collective costs the transport behind the link a fixed time (a worker
+# thread waking, the ranks meeting, the result handed back) plus a time
+# per byte. Folded into one cost per byte, as a ratio measured at one size,
+# the fixed part is charged again for every megabyte: measured at 1 MB
+# buckets, one 25 MB bucket is predicted to cost what 25 buckets of 1 MB
+# do, and fewer, larger buckets look worse than they are. So the recorded
+# collectives that the transport, not the link, finished (each one's time
+# from when every rank had launched it and the one before it was done, to
+# its completion) are fitted as ``fixed + per_byte * bytes`` by Theil-Sen:
+# the per-byte cost is the median slope over every pair of collectives
+# whose sizes differ by at least _INNER_SIZE_RATIO, the fixed cost the
+# median of what the per-byte cost leaves. Medians, because a collective the
+# scheduler held up is an outlier, not a cost. When the recorded sizes are
+# too alike for any such pair (a recording whose buckets are all one size),
+# the two cannot be told apart from it: the fixed cost is then 0 and the
+# per-byte cost the median ratio, as before; record with buckets of unlike
+# sizes (a first bucket cap below the cap, or chunks) to measure both.
+def fit_fixed_and_per_byte(samples: Sequence[tuple[float, int]]) -> tuple[float, float]:
+    """(fixed ms, ms per byte) from (ms, bytes) samples: see [Note: the transport's fixed cost]."""
+    samples = [(t, b) for t, b in samples if b > 0]
+    if not samples:
+        return 0.0, 0.0
+    # Pairs from the samples sorted by size: at most a few thousand, taken evenly, bound the work.
+    ordered = sorted(samples, key=lambda s: s[1])
+    step = max(1, len(ordered) // 200)
+    picked = ordered[::step]
+    slopes = [(tj - ti) / (bj - bi) for i, (ti, bi) in enumerate(picked) for tj, bj in picked[i + 1:]
+              if bj >= _INNER_SIZE_RATIO * bi]
+    if not slopes:
+        return 0.0, max(0.0, statistics.median(t / b for t, b in samples))
+    per_byte = max(0.0, statistics.median(slopes))
+    fixed = statistics.median(t - per_byte * b for t, b in samples)
+    if fixed < 0.0:  # a negative fixed cost is noise: through the origin instead
+        return 0.0, max(0.0, statistics.median(t / b for t, b in samples))
+    return fixed, per_byte
 
 
 def _link_ms(nbytes: int, world_size: int, link: network.Link) -> float:
@@ -384,7 +431,7 @@ def predict(recording: Recording, settings: Settings, calibration: Calibration |
         inner_done, inner_free = [], -math.inf
         for k, (nbytes, _, _) in enumerate(chunks):
             start = max(max(launch_at[r.rank][k] for r in ranks), inner_free)
-            inner_free = start + cal.inner_ms_per_byte * nbytes
+            inner_free = start + cal.inner_ms(nbytes)
             inner_done.append(inner_free)
         step_ms, exposed_sum, backward = [], 0.0, []
         per_bucket = [0.0] * len(buckets)

@@ -17,15 +17,17 @@ stragglers (see [Note: stragglers]).
 from __future__ import annotations
 
 import collections
+import math
 from typing import NamedTuple
 
 from pydist.overlap.analysis import median
 
 __all__ = ["TraceStep", "steps_from_trace", "report_text", "report_json", "stragglers", "plot_step",
-           "STRAGGLER_MS"]
+           "STRAGGLER_MS", "STRAGGLER_NOISE_K", "STRAGGLER_SHARE"]
 
-STRAGGLER_MS = 1.0  # a rank whose gradients are ready this much later than all others' (median over steps) is named
-STRAGGLER_SHARE = 0.75  # ... if it was that late in at least this share of the steps
+STRAGGLER_MS = 1.0  # the least median excess a straggler has (see [Note: stragglers])
+STRAGGLER_NOISE_K = 3.0  # ... and at least this many standard errors of the median above 0
+STRAGGLER_SHARE = 0.75  # ... and at least half that in this share of the steps
 
 
 class TraceStep(NamedTuple):
@@ -156,50 +158,111 @@ def _bucket_label(index: int, args: dict) -> str:
 # [Note: stragglers]
 # A rank that is slow in backward makes every rank's step slow: the others
 # wait for its gradients in the collectives, so each rank's step and
-# backward time look alike. When its gradients became ready does not: each
-# step event carries ``grads_ready_ms``, this rank's last gradient ready
-# (DDP: its buckets' last_grad_ms; a sharded wrapper: its last reduction
-# issued), which a merged trace puts on one clock. Per step (matched by
-# wrapper and step number across ranks), rank r's *lead* is how much later
-# its gradients were ready than every other rank's, 0 when some rank was
-# later still: that is how long it held the others. A rank whose median lead
-# over the steps all ranks recorded is at least ``threshold_ms``, and who
-# held the others that long in at least STRAGGLER_SHARE of those steps, is
-# a straggler: ``delay_ms`` that median, ``steps`` the number of steps it
-# held the others by at least ``threshold_ms``. Balanced ranks take turns
-# at being last by noise, so their medians stay near 0, and a rank that an
-# oversubscribed machine happens to slow now and then is not last in three
-# steps of four. Traces of one rank name none.
+# backward time look alike. How long it took to make its gradients does
+# not: each step event carries ``grads_ready_ms``, this rank's last gradient
+# ready (DDP: its buckets' last_grad_ms; a sharded wrapper: its last
+# reduction issued), counted from the start of its own step record. Per step
+# (matched by wrapper and step number across ranks, every rank present),
+# rank r's *excess* is that span less the median of the other ranks' spans:
+# about 0 for balanced ranks, the extra time for the slow one.
+#
+# Spans, not the ready times on the merged clock: the collective that ends
+# one step releases the ranks a little apart, and on a shared machine a rank
+# is descheduled now and then before its step record begins, so one-clock
+# ready times carry a per-rank offset of a millisecond or two that can last
+# a whole run (measured: a 2 ms straggler read as 3.4-3.9 ms in one run and
+# as -7 to +2 ms in another, a balanced rank as 1 ms late in every step).
+# The span is immune to both; the one-clock lead (how much later than every
+# other rank its gradients were ready, 0 when some rank was later still) is
+# reported beside it as ``held_ms``.
+#
+# Evidence over steps: a rank is a straggler when its median excess is at
+# least the noise floor and its excess reached half that floor in at least
+# STRAGGLER_SHARE of the steps (a rank the scheduler happened to delay in a
+# few steps is not slow in three steps of four). The floor is the larger of
+# STRAGGLER_MS and STRAGGLER_NOISE_K standard errors of a median over the
+# steps, 1.2533 * noise / sqrt(steps): ``noise`` is the ranks' typical
+# step-to-step spread of their excess (the median over ranks, each from the
+# shortest interval holding half its steps, so that a run in which half the
+# steps were disturbed still reads the undisturbed half's spread). The
+# standard error, not the spread itself: with two ranks the spread of the
+# excess is also the straggler's own, and a busy machine that preempts a
+# slow rank stretches its delay by 0 to 40 ms from step to step; its median
+# still stands many standard errors above a balanced rank's 0.
+#
+# ``delay_ms`` is where the straggler's excess clusters: the median of the
+# densest half of its steps. Preemption on a busy machine only ever adds to
+# a step, so the excess has a long tail on one side (a 10 ms delay read as
+# 10-11 ms in most steps and 15-48 ms in the rest, at 2-4 ranks on 2 shared
+# cores); the densest half is the rank's own slowness, which the median of
+# all steps overstates once a third of them are stretched. ``median_ms`` is
+# the median over all steps, ``steps`` the steps whose excess reached the
+# floor. A warm-up step or a descheduled one moves none of these.
+# Traces of one rank name none.
 def stragglers(steps: list[TraceStep], threshold_ms: float = STRAGGLER_MS) -> list[dict]:
     """Most delaying first: see [Note: stragglers]."""
+    spans: dict[tuple, dict[int, float]] = collections.defaultdict(dict)
     ready: dict[tuple, dict[int, float]] = collections.defaultdict(dict)
     for s in steps:
         grads = s.args.get("grads_ready_ms", s.args["backward_end_ms"])
+        spans[(s.wrapper, s.step)][s.rank] = grads
         ready[(s.wrapper, s.step)][s.rank] = s.start_us / 1e3 + grads
     ranks = sorted({s.rank for s in steps})
     if len(ranks) < 2:
         return []
-    leads: dict[tuple, list[float]] = collections.defaultdict(list)  # (rank, wrapper) -> per step
-    for (wrapper, _), per_rank in sorted(ready.items()):
+    excess: dict[tuple, list[float]] = collections.defaultdict(list)  # (rank, wrapper) -> per step
+    held: dict[tuple, list[float]] = collections.defaultdict(list)
+    for key, per_rank in sorted(spans.items()):
         if len(per_rank) != len(ranks):
             continue  # a step some rank did not record
-        for r, t in per_rank.items():
-            leads[(r, wrapper)].append(max(0.0, t - max(u for q, u in per_rank.items() if q != r)))
+        for r, span in per_rank.items():
+            excess[(r, key[0])].append(span - median([v for q, v in per_rank.items() if q != r]))
+            at = ready[key]
+            held[(r, key[0])].append(max(0.0, at[r] - max(u for q, u in at.items() if q != r)))
     found = []
-    for (r, wrapper), values in leads.items():
-        delay = median(values)
-        held = sum(v >= threshold_ms for v in values)
-        if delay >= threshold_ms and held >= STRAGGLER_SHARE * len(values):
-            found.append({"rank": r, "delay_ms": round(delay, 3), "steps": held,
-                          "of_steps": len(values), "wrapper": wrapper})
+    for wrapper in sorted({w for _, w in excess}):
+        mine = {r: values for (r, w), values in excess.items() if w == wrapper}
+        noise = median([_spread(values) for values in mine.values()])
+        count = median([len(values) for values in mine.values()])
+        floor = max(threshold_ms, STRAGGLER_NOISE_K * 1.2533 * noise / math.sqrt(max(count, 1)))
+        for r, values in sorted(mine.items()):
+            delay = median(values)
+            consistent = sum(v >= floor / 2 for v in values)
+            if delay >= floor and consistent >= STRAGGLER_SHARE * len(values):
+                found.append({"rank": r, "delay_ms": round(_densest_half(values), 3), "median_ms": round(delay, 3),
+                              "steps": sum(v >= floor for v in values),
+                              "of_steps": len(values), "wrapper": wrapper,
+                              "held_ms": round(median(held[(r, wrapper)]), 3), "noise_ms": round(noise, 3)})
     return sorted(found, key=lambda f: -f["delay_ms"])
+
+
+def _densest_half(values: list[float]) -> float:
+    """The median of the half of the values that lie closest together: where
+    they cluster, which a tail on one side does not move."""
+    ordered = sorted(values)
+    half = (len(ordered) + 1) // 2
+    if half < 2:
+        return median(ordered)
+    first = min(range(len(ordered) - half + 1), key=lambda i: ordered[i + half - 1] - ordered[i])
+    return median(ordered[first:first + half])
+
+
+def _spread(values: list[float]) -> float:
+    """A standard deviation that half the steps can lie outside of: the
+    width of the shortest interval holding half the values (the middle
+    half of a normal distribution is 1.349 of its deviations wide)."""
+    ordered = sorted(values)
+    half = (len(ordered) + 1) // 2
+    if half < 2:
+        return 0.0
+    return min(b - a for a, b in zip(ordered, ordered[half - 1:])) / 1.349
 
 
 def _straggler_line(found: list[dict]) -> str:
     if not found:
-        return "stragglers: none (no rank's gradients were ready last by a margin, median over steps)"
+        return "stragglers: none (no rank took longer to make its gradients than the others by a margin, median over steps)"
     return "stragglers: " + "; ".join(
-        f"rank {f['rank']} held the others {f['delay_ms']:.2f} ms per step (median; {f['steps']} of "
+        f"rank {f['rank']} made the others wait {f['delay_ms']:.2f} ms per step ({f['steps']} of "
         f"{f['of_steps']} steps)" + (f", wrapper {f['wrapper']}" if f["wrapper"] else "") for f in found)
 
 

@@ -157,3 +157,61 @@ def test_errors_exit_2_naming_the_problem(recorded, tmp_path):
         code, out, err = _cli(*argv, "--json")
         assert code == 2 and out == "", (argv, code, out, err)
         assert err.startswith("pydist.overlap predict: ") and expected in err and "Traceback" not in err, (argv, err)
+
+
+def _synthetic_recording(sizes, fixed_ms, per_mb_ms, steps=5):
+    """A recording of 2 ranks without a simulated link whose chunks (one
+    bucket per parameter, ``sizes`` bytes each) the transport finished
+    ``fixed_ms + per_mb_ms * MB`` after the later rank launched them (and
+    after the one before), with a little step-to-step noise."""
+    from pydist.overlap import network, predict
+
+    params = [(f"p{i}", (size // 4,), "float32", "cpu") for i, size in enumerate(sizes)]
+    settings = predict.Settings(network.Link(float("inf"), 0.0), 0, 0, 0)
+    by_step = {}
+    for step in range(steps):
+        ranks = []
+        for rank in range(2):
+            grads = {i: 1.0 + 2.0 * i for i in range(len(sizes))}
+            chunks, free = [], 0.0
+            for i, size in enumerate(sizes):
+                noise = 0.02 * ((step * 5 + i * 3 + rank) % 7 - 3)
+                free = max(grads[i], free) + fixed_ms + per_mb_ms * size / predict.MB + noise
+                chunks.append(predict._Chunk(i, size, grads[i], free))
+            ranks.append(predict._RankStep(rank, step, 0.0, grads, grads[len(sizes) - 1], free + 0.1, chunks,
+                                           [(size, 0.0) for size in sizes], tuple((i,) for i in range(len(sizes)))))
+        by_step[step] = ranks
+    return predict.Recording(params, settings, 2, list(range(len(sizes))), by_step)
+
+
+def test_calibration_measures_a_fixed_cost_per_collective_apart_from_the_per_byte_cost():
+    """Collectives of 0.25 MB and 2 MB that cost the transport 0.8 ms each
+    plus 0.2 ms per MB: the fit reads both back, and so predicts one 9 MB
+    bucket at about 0.8 + 1.8 ms, where one cost per byte measured at the
+    recorded sizes would charge the fixed cost again for every megabyte."""
+    from pydist.overlap import predict
+
+    mb = predict.MB
+    recording = _synthetic_recording([mb // 4, 2 * mb] * 4, fixed_ms=0.8, per_mb_ms=0.2)
+    cal = predict.calibrate(recording)
+    assert abs(cal.inner_fixed_ms - 0.8) <= 0.05, cal
+    assert abs(cal.inner_ms_per_byte * mb - 0.2) <= 0.03, cal
+    assert abs(cal.inner_ms(9 * mb) - 2.6) <= 0.2, cal
+    # the prediction at one bucket of everything: the last gradient, then one collective
+    one = predict.predict(recording, predict.settings_for(recording, bucket_cap_mb=25), cal)
+    assert [b.bytes for b in one.buckets] == [9 * mb]
+    assert abs(one.exposed_ms - 2.6) <= 0.3, one
+    # one size recorded: the two cannot be told apart, and the fit says so (no fixed cost)
+    alike = predict.calibrate(_synthetic_recording([mb] * 6, fixed_ms=0.8, per_mb_ms=0.2))
+    assert alike.inner_fixed_ms == 0.0 and abs(alike.inner_ms_per_byte * mb - 1.0) <= 0.05, alike
+
+
+def test_fixed_cost_fit_is_robust_to_held_up_collectives():
+    from pydist.overlap import predict
+
+    mb = predict.MB
+    samples = [(0.5 + 0.1 * s, int(s * mb)) for s in (0.25, 0.5, 1, 2, 4) for _ in range(5)]
+    samples += [(9.0, mb // 2), (7.0, 2 * mb)]  # two the scheduler held up
+    fixed, per_byte = predict.fit_fixed_and_per_byte(samples)
+    assert abs(fixed - 0.5) <= 0.02 and abs(per_byte * mb - 0.1) <= 0.01, (fixed, per_byte * mb)
+    assert predict.fit_fixed_and_per_byte([]) == (0.0, 0.0)
