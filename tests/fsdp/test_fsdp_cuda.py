@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_harness import MODELS, Scenario, assert_parity, make_batch, make_optimizer, run_parity
+from fsdp_harness import MODELS, Scenario, _full_tensor, assert_parity, make_batch, make_optimizer, run_parity
 
 pytestmark = pytest.mark.cuda
 
@@ -69,13 +69,13 @@ def _moves_between_devices(rank: int, world_size: int) -> dict:
     import pydist
     from pydist.fsdp import full_state_dict
 
-    def build(device, meta=False):
+    def build(device, meta=False, shard=pydist.fully_shard):
         torch.manual_seed(0)
         with torch.device("meta" if meta else device):
             model = MODELS["nested"]()
         for m in model.units():
-            pydist.fully_shard(m)
-        pydist.fully_shard(model)
+            shard(m)
+        shard(model)
         if meta:
             model.to_empty(device=device)
             torch.manual_seed(0)
@@ -113,7 +113,12 @@ def _moves_between_devices(rank: int, world_size: int) -> dict:
     train(back, "cuda", 1, 2, "sgd")
     train(on_cpu, "cpu", 1, 2, "sgd")
     out["trained_on"], out["trained_back"], out["trained_cpu"] = full(on_gpu), full(back), full(on_cpu)
-    out["meta"], out["direct"] = full(build("cuda", meta=True)), full(build("cuda"))
+    # On the meta device, initialized through DTensors: torch FSDP2's values.
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch_meta = build("cuda", meta=True, shard=torch_fully_shard)
+    out["meta"] = full(build("cuda", meta=True))
+    out["torch_meta"] = {n: _full_tensor(p.detach()).view(p.shape) for n, p in torch_meta.named_parameters()}
     dist.barrier()
     return out
 
@@ -128,4 +133,4 @@ def test_state_dicts_move_between_cuda_and_cpu():
             assert torch.equal(out["cuda_after_round_trip"][k], v), f"{k}: changed on the way CUDA -> CPU -> CUDA"
             assert torch.equal(out["trained_on"][k], out["trained_back"][k]), f"{k}: a resumed CUDA run diverged"
             torch.testing.assert_close(out["trained_cpu"][k], out["trained_on"][k], rtol=1e-4, atol=1e-5)
-            assert torch.equal(out["meta"][k], out["direct"][k]), f"{k}: meta-device init on CUDA differs"
+            assert torch.equal(out["meta"][k], out["torch_meta"][k]), f"{k}: meta-device init on CUDA is not FSDP2's"
