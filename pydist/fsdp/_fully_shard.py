@@ -124,7 +124,23 @@ def _default_mesh(params: list):
 
     types = {p.device.type for p in params} - {"meta"}
     kind = types.pop() if len(types) == 1 else ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(kind, (dist.get_world_size(),))
+    if kind not in _fallback_meshes:
+        try:
+            return init_device_mesh(kind, (dist.get_world_size(),))
+        except RuntimeError as exc:
+            if "name not set" not in str(exc):
+                raise
+            # A default group torch cannot name (pydist's mpi4py group, a
+            # Python ProcessGroup): the DTensors' own collectives (a norm,
+            # full_tensor) go over a gloo group of the same ranks; the
+            # units' collectives still take the default group or shared memory.
+            from torch.distributed.device_mesh import DeviceMesh
+
+            _fallback_meshes[kind] = DeviceMesh.from_group(dist.new_group(backend="gloo"), kind)
+    return _fallback_meshes[kind]
+
+
+_fallback_meshes: dict = {}  # per device type, made once, collectively, at the first fully_shard
 
 # [Note: a unit of zero-size parameters]
 # A module whose parameters all have no elements (``nn.Linear(16, 0)``, a
