@@ -495,9 +495,6 @@ class FSDPParamGroup:
         """Packs the unit's gradients (per parameter, in ``out``'s dtype,
         contiguous; None: zeros), times ``scale``, into its column of the
         rank-major ``out``: one C++ pass per column of the layout."""
-        if len(self.columns) == 1:
-            _C.pack_rank_major(grads, self._numels, out, world_size, column, self.shard_numel, scale)
-            return
         numels = self._numels
         for c, (first, end) in zip(self.columns, self._column_params):
             _C.pack_rank_major(grads[first:end], numels[first:end], out, world_size, column + c.shard_offset,
@@ -507,8 +504,6 @@ class FSDPParamGroup:
         """``pack_grads`` of the .grads on the unsharded parameters, which are
         cleared; returns which parameters had one."""
         params, numels = self._unsharded_params, self._numels
-        if len(self.columns) == 1:
-            return _C.pack_param_grads(params, numels, out, world_size, column, self.shard_numel, scale)
         had = []
         for c, (first, end) in zip(self.columns, self._column_params):
             had += _C.pack_param_grads(params[first:end], numels[first:end], out, world_size,
@@ -631,8 +626,7 @@ class FSDPParamGroup:
             if self.materializing is not None:
                 self.materializing = "local"
                 self.device = local.device
-            elif local is not fp.local_view(self.shard) and local.data_ptr() != fp.local_view(self.shard).data_ptr():
-                view = fp.local_view(self.shard)
+            elif local.data_ptr() != (view := fp.local_view(self.shard)).data_ptr():
                 with torch.no_grad():
                     view.copy_(local)
                 fp.set_local(view)

@@ -282,8 +282,7 @@ def _load_model_state_dict(model, state_dict, info):
     a model built on the meta device]."""
     units = _units(model)
     meta = [pg for pg in units if pg.materializing == "meta"]
-    if info.broadcast_from_rank0 and any(pg.dtensor for pg in units):
-        state_dict, info = _from_rank0(state_dict), dataclasses.replace(info, broadcast_from_rank0=False)
+    state_dict, info = _broadcast_for_dtensors(units, state_dict, info)
     if meta and (info.full_state_dict or info.broadcast_from_rank0):
         ready = [pg for pg in units if pg.materializing != "meta"]
         if ready:
@@ -293,6 +292,15 @@ def _load_model_state_dict(model, state_dict, info):
         backend = dist.get_backend()
         model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu")
     return _torch_checkpoint_api["load_model"](model, state_dict, info)
+
+
+def _broadcast_for_dtensors(units: list, state_dict: dict, info) -> tuple:
+    """``broadcast_from_rank0`` into fully_shard's DTensor units: rank 0's
+    dict on every rank, then loaded as a full one (torch's own broadcast
+    into DTensors fails on gloo); anything else as it was."""
+    if info.broadcast_from_rank0 and any(pg.dtensor for pg in units):
+        return _from_rank0(state_dict), dataclasses.replace(info, broadcast_from_rank0=False)
+    return state_dict, info
 
 
 def _from_rank0(state_dict: dict) -> dict:
@@ -325,9 +333,9 @@ def _get_optim_state_dict(model, optimizers, info):
 
 def _load_optim_state_dict(model, optimizers, state_dict, info):
     if not _takes_optimizers(model, optimizers, info, "set_optimizer_state_dict"):
-        if any(pg.dtensor for pg in _units(model)):
-            if info.broadcast_from_rank0:
-                state_dict, info = _from_rank0(state_dict), dataclasses.replace(info, broadcast_from_rank0=False)
+        units = _units(model)
+        if any(pg.dtensor for pg in units):
+            state_dict, info = _broadcast_for_dtensors(units, state_dict, info)
             if len(optimizers) == 1 and state_dict and "state" not in state_dict:
                 # flatten_optimizer_state_dict's layout into an optimizer with no
                 # state yet, which torch's own load fails on (KeyError, FSDP2 too)
