@@ -172,8 +172,8 @@ class EmulatedCluster:
                 self._ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
                 self._ip("-n", self.switch, "link", "set", f"port{i}", "up")
                 if self.rate:
-                    self._shape(netns, "eth0")
-                    self._shape(self.switch, f"port{i}")
+                    self._shape(netns, "eth0", self.rate)
+                    self._shape(self.switch, f"port{i}", self.rate)
                 hosts_file = os.path.join(self._tmp, f"hosts{i}")
                 with open(hosts_file, "w") as f:
                     f.write("127.0.0.1 localhost\n")
@@ -243,12 +243,27 @@ class EmulatedCluster:
         if done.returncode != 0:
             raise ClusterUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
 
-    def _shape(self, netns: str, dev: str) -> None:
-        """tbf at ``self.rate`` on ``dev``'s egress: a bucket of about 2 ms
-        of the rate (at least 256 KB: veth hands over 64 KB GSO packets)."""
-        bits = _rate_bits(self.rate)
+    def set_rate(self, rate: str | None) -> None:
+        """Shapes every host's link, both ends, to ``rate`` ("300mbit"; None:
+        unshaped) while the cluster runs: what runs inside keeps its
+        connections."""
+        if rate is not None:
+            _rate_bits(rate)  # refused before anything changes
+        for host in self.hosts:
+            for netns, dev in ((host.netns, "eth0"), (self.switch, f"port{host.index}")):
+                if rate is None:
+                    subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+                else:
+                    self._shape(netns, dev, rate)
+        self.rate = rate
+
+    def _shape(self, netns: str, dev: str, rate: str) -> None:
+        """tbf at ``rate`` on ``dev``'s egress (replacing what shaped it): a
+        bucket of about 2 ms of the rate (at least 256 KB: veth hands over
+        64 KB GSO packets)."""
+        bits = _rate_bits(rate)
         burst = max(256 * 1024, int(bits / 8 * 0.002))
-        done = subprocess.run(["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+        done = subprocess.run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                                "burst", str(burst), "latency", "100ms"], capture_output=True, text=True)
         if done.returncode != 0:
             raise ClusterUnavailable(f"tc tbf on {dev} in {netns} failed: {done.stderr.strip()}")
