@@ -91,8 +91,8 @@ _INNER_SIZE_RATIO = 1.5
 #   transport's cost rather than overlapping it: calibration takes the
 #   recorded link's time off each recorded collective before fitting the
 #   transport's fixed and per-byte cost (what is left is CPU work: copies,
-#   the reduction, gloo's cost per message), and a prediction adds the new
-#   link's time back. No completion is held (no completion delay). The
+#   the reduction, gloo's cost per message; [Note: collectives that share a
+#   real link] says how), and a prediction adds the new link's time back. No completion is held (no completion delay). The
 #   ring is the hosts' (ranks on one host do not cross the link; the merged
 #   trace's ``merged_hosts`` says which ranks share one): the hierarchical
 #   transport's cross-host streams share their host's link and carry each
@@ -378,27 +378,32 @@ def calibrate(recording: Recording) -> Calibration:
 
     # The link: replay the recorded chunks against the recorded link's model.
     link = recording.settings.link
-    held = recording.link_kind is LinkKind.SIMULATED  # a real link holds no completion: every chunk is the transport's
-    lateness, inner = [], []
+    lateness, inner, stretches = [], [], []
     for ranks in recording.steps.values():
         launches: dict[int, list[float]] = {}
         for r in ranks:
             for k, c in enumerate(r.chunks):
                 launches.setdefault(k, []).append(r.start_ms + c.launch_ms)
         for r in ranks:
+            if recording.link_kind is LinkKind.REAL:  # no completion held: every chunk is the transport's
+                stretches += _busy_stretches(recording, r, [max(launches[k]) - r.start_ms for k in range(len(r.chunks))])
+                continue
             free, previous = -math.inf, -math.inf
             for k, c in enumerate(r.chunks):
-                on_link = recording.link_time(link, c.bytes)
-                due = max(c.launch_ms, free) + on_link.held_ms
+                due = max(c.launch_ms, free) + recording.link_time(link, c.bytes).held_ms
                 free = due
                 late = c.complete_ms - due
-                if held:
-                    lateness.append(late)
-                if (late > _INNER_BOUND_MS or not held) and c.bytes > 0:
+                lateness.append(late)
+                if late > _INNER_BOUND_MS and c.bytes > 0:
                     # the transport starts it once every rank launched it and it finished the one before
                     start = max(max(launches[k]) - r.start_ms, previous)
-                    inner.append((c.complete_ms - start - on_link.transfer_ms, c.bytes))
+                    inner.append((c.complete_ms - start, c.bytes))
                 previous = c.complete_ms
+    if stretches:  # a real link: see [Note: collectives that share a real link]
+        alone = [(t, b) for t, b, count in stretches if count == 1]
+        sizes = [b for _, b in alone]
+        unlike = bool(sizes) and max(sizes) >= _INNER_SIZE_RATIO * min(sizes)
+        inner = alone if unlike else [(t, b) for t, b, _ in stretches]
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
     inner_fixed, inner_per_byte = fit_fixed_and_per_byte([(t - delay, b) for t, b in inner])
@@ -406,6 +411,56 @@ def calibrate(recording: Recording) -> Calibration:
     write_back = [t / b for v in recording.steps.values() for r in v for b, t in r.write_back if b > 0]
     return Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0,
                        inner_fixed)
+
+
+def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> list[tuple[float, int, int]]:
+    """One rank's recorded chunks over a real link as (ms, bytes, count)
+    samples of the transport's cost: one per busy stretch, its average
+    collective's, and how many collectives it held (see [Note: collectives
+    that share a real link]). ``starts``: per chunk, when every rank had
+    launched it."""
+    samples = []
+    stretch: list[_Chunk] = []
+    begin = end = -math.inf
+    for c, start in sorted(zip(r.chunks, starts), key=lambda cs: cs[1]) + [(None, math.inf)]:
+        if start > end and stretch:  # the link went idle: the stretch is over
+            nbytes = sum(x.bytes for x in stretch)
+            if nbytes > 0:
+                on_link = sum(recording.link_time(recording.settings.link, x.bytes).transfer_ms for x in stretch)
+                samples.append(((end - begin - on_link) / len(stretch), nbytes // len(stretch), len(stretch)))
+            stretch = []
+        if c is None:
+            break
+        if not stretch:
+            begin, end = start, -math.inf
+        stretch.append(c)
+        end = max(end, c.complete_ms)
+    return samples
+
+
+# [Note: collectives that share a real link]
+# gloo runs up to two collectives at once (ProcessGroupGloo's two worker
+# threads), over one connection per peer: two buckets in flight share the
+# link, and the one launched second can finish first. What one collective
+# costs alone is then not in the records, and a chunk's time from its start
+# to its completion is no sample of it. What a busy stretch of the link
+# costs is: while collectives keep the link busy, however they share it,
+# the last of a stretch ends when their summed costs have passed since the
+# first one started. So over a real link the calibration cuts each rank's
+# recorded chunks into busy stretches (a chunk that starts, every rank
+# having launched it, after everything before it completed begins a new
+# one), takes off each stretch's time the modelled link time of its bytes,
+# and fits what is left per collective (the stretch's average) against the
+# average collective's bytes, as [Note: the transport's fixed cost] fits
+# single collectives. Where collectives that ran alone (a stretch of one)
+# were recorded at unlike sizes, they alone are fitted: a stretch of several
+# also holds what they lost to each other and, on cores shared with the
+# backward they overlap, to the backward's compute (2 to 20 ms per
+# collective on the shared 2-core machine, where one alone fits the link's
+# model within about 2 ms); a recording whose lone collectives are all one
+# size fits every stretch. The replay serves collectives one at a time in
+# launch order, which ends a busy stretch at the same time; a bucket's own
+# completion within a stretch may come in another order than recorded.
 
 
 # [Note: the transport's fixed cost]
