@@ -378,7 +378,7 @@ def calibrate(recording: Recording) -> Calibration:
 
     # The link: replay the recorded chunks against the recorded link's model.
     link = recording.settings.link
-    lateness, inner, stretches = [], [], []
+    lateness, inner, stretches = [], [], []  # stretches: over a real link
     for ranks in recording.steps.values():
         launches: dict[int, list[float]] = {}
         for r in ranks:
@@ -400,10 +400,10 @@ def calibrate(recording: Recording) -> Calibration:
                     inner.append((c.complete_ms - start, c.bytes))
                 previous = c.complete_ms
     if stretches:  # a real link: see [Note: collectives that share a real link]
-        alone = [(t, b) for t, b, count in stretches if count == 1]
-        sizes = [b for _, b in alone]
-        unlike = bool(sizes) and max(sizes) >= _INNER_SIZE_RATIO * min(sizes)
-        inner = alone if unlike else [(t, b) for t, b, _ in stretches]
+        by_size: dict[int, list[float]] = {}
+        for t, b in stretches:
+            by_size.setdefault(b, []).append(t)
+        inner = [(sorted(ts)[(len(ts) - 1) // 4], b) for b, ts in by_size.items()]  # each size's lower quartile
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
     inner_fixed, inner_per_byte = fit_fixed_and_per_byte([(t - delay, b) for t, b in inner])
@@ -413,12 +413,11 @@ def calibrate(recording: Recording) -> Calibration:
                        inner_fixed)
 
 
-def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> list[tuple[float, int, int]]:
-    """One rank's recorded chunks over a real link as (ms, bytes, count)
-    samples of the transport's cost: one per busy stretch, its average
-    collective's, and how many collectives it held (see [Note: collectives
-    that share a real link]). ``starts``: per chunk, when every rank had
-    launched it."""
+def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> list[tuple[float, int]]:
+    """One rank's recorded chunks over a real link as (ms, bytes) samples of
+    the transport's cost: one per busy stretch, its average collective's
+    (see [Note: collectives that share a real link]). ``starts``: per chunk,
+    when every rank had launched it."""
     samples = []
     stretch: list[_Chunk] = []
     begin = end = -math.inf
@@ -427,7 +426,7 @@ def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> 
             nbytes = sum(x.bytes for x in stretch)
             if nbytes > 0:
                 on_link = sum(recording.link_time(recording.settings.link, x.bytes).transfer_ms for x in stretch)
-                samples.append(((end - begin - on_link) / len(stretch), nbytes // len(stretch), len(stretch)))
+                samples.append(((end - begin - on_link) / len(stretch), nbytes // len(stretch)))
             stretch = []
         if c is None:
             break
@@ -450,17 +449,17 @@ def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> 
 # recorded chunks into busy stretches (a chunk that starts, every rank
 # having launched it, after everything before it completed begins a new
 # one), takes off each stretch's time the modelled link time of its bytes,
-# and fits what is left per collective (the stretch's average) against the
-# average collective's bytes, as [Note: the transport's fixed cost] fits
-# single collectives. Where collectives that ran alone (a stretch of one)
-# were recorded at unlike sizes, they alone are fitted: a stretch of several
-# also holds what they lost to each other and, on cores shared with the
-# backward they overlap, to the backward's compute (2 to 20 ms per
-# collective on the shared 2-core machine, where one alone fits the link's
-# model within about 2 ms); a recording whose lone collectives are all one
-# size fits every stretch. The replay serves collectives one at a time in
-# launch order, which ends a busy stretch at the same time; a bucket's own
-# completion within a stretch may come in another order than recorded.
+# and takes what is left per collective (the stretch's average) against the
+# average collective's bytes. Interference only adds to that: collectives in
+# flight together lose time to each other, and on cores the backward
+# shares, to its compute (2 to 25 ms a collective on the shared 2-core
+# machine, while most collectives that ran alone fit the link's model within
+# about 2 ms). So, as a microbenchmark takes its faster runs, each size's
+# samples give their lower quartile, and those are fitted as [Note: the
+# transport's fixed cost] fits single collectives. The replay serves
+# collectives one at a time in launch order, which ends a busy stretch at
+# the same time; a bucket's own completion within a stretch may come in
+# another order than recorded.
 
 
 # [Note: the transport's fixed cost]
