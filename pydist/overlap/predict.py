@@ -30,7 +30,7 @@ step under the new settings and takes the median:
    launch in them (a least-squares fit within each kind). The gaps are
    freed of the recorded launches and charged with the new ones.
 3. Link. For a real link (``--recorded-link``), see [Note: simulated and
-   real links]; for a simulated one, as it models it ([Note: simulated network] in
+   real links]. A simulated one as it models it ([Note: simulated network] in
    csrc/transport/sim_net_transport.cpp, ``network.model_seconds``): one
    transfer at a time per rank, in launch order, each taking the
    alpha-beta time of a ring all-reduce; a chunk completes at the later of
@@ -60,8 +60,8 @@ from typing import NamedTuple, Sequence
 
 from pydist.overlap import network
 
-__all__ = ["LinkKind", "LinkTime", "Settings", "Calibration", "fit_fixed_and_per_byte", "Prediction", "BucketPrediction", "Recording",
-           "load_recording", "chunk_slots",
+__all__ = ["LinkKind", "LinkTime", "Settings", "Calibration", "fit_fixed_and_per_byte", "Prediction",
+           "BucketPrediction", "Recording", "load_recording", "chunk_slots",
            "rebucket", "calibrate", "settings_for", "predict", "recommend", "recorded_step_ms", "predict_json",
            "predict_text"]
 
@@ -89,10 +89,11 @@ _INNER_SIZE_RATIO = 1.5
 #   the rate the link is shaped or rated to). Moving the bytes over it is
 #   part of the transport's own time, so its modelled time adds to the
 #   transport's cost rather than overlapping it: calibration takes the
-#   recorded link's time off each recorded collective before fitting the
+#   recorded link's time off the recorded collectives before fitting the
 #   transport's fixed and per-byte cost (what is left is CPU work: copies,
 #   the reduction, gloo's cost per message; [Note: collectives that share a
-#   real link] says how), and a prediction adds the new link's time back. No completion is held (no completion delay). The
+#   real link] says how), and a prediction adds the new link's time back.
+#   No completion is held (no completion delay). The
 #   ring is the hosts' (ranks on one host do not cross the link; the merged
 #   trace's ``merged_hosts`` says which ranks share one): the hierarchical
 #   transport's cross-host streams share their host's link and carry each
@@ -386,7 +387,8 @@ def calibrate(recording: Recording) -> Calibration:
                 launches.setdefault(k, []).append(r.start_ms + c.launch_ms)
         for r in ranks:
             if recording.link_kind is LinkKind.REAL:  # no completion held: every chunk is the transport's
-                stretches += _busy_stretches(recording, r, [max(launches[k]) - r.start_ms for k in range(len(r.chunks))])
+                starts = [max(launches[k]) - r.start_ms for k in range(len(r.chunks))]
+                stretches += _busy_stretches(recording, r, starts)
                 continue
             free, previous = -math.inf, -math.inf
             for k, c in enumerate(r.chunks):
