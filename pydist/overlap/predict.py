@@ -405,7 +405,8 @@ def calibrate(recording: Recording) -> Calibration:
         by_size: dict[int, list[float]] = {}
         for t, b in stretches:
             by_size.setdefault(b, []).append(t)
-        inner = [(sorted(ts)[(len(ts) - 1) // 4], b) for b, ts in by_size.items()]  # each size's lower quartile
+        # each size's lower quarter, every sample of it: a size recorded often weighs more than one seen twice
+        inner = [(t, b) for b, ts in by_size.items() for t in sorted(ts)[:(len(ts) + 3) // 4]]
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
     inner_fixed, inner_per_byte = fit_fixed_and_per_byte([(t - delay, b) for t, b in inner])
@@ -456,9 +457,10 @@ def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> 
 # flight together lose time to each other, and on cores the backward
 # shares, to its compute (2 to 25 ms a collective on the shared 2-core
 # machine, while most collectives that ran alone fit the link's model within
-# about 2 ms). So, as a microbenchmark takes its faster runs, each size's
-# samples give their lower quartile, and those are fitted as [Note: the
-# transport's fixed cost] fits single collectives. The replay serves
+# about 2 ms). So, as a microbenchmark takes its faster runs, the fastest
+# quarter of each size's samples is kept (all of them: a size recorded 40
+# times weighs more than one the recording split off twice), and those are
+# fitted as [Note: the transport's fixed cost] fits single collectives. The replay serves
 # collectives one at a time in launch order, which ends a busy stretch at
 # the same time; a bucket's own completion within a stretch may come in
 # another order than recorded.
