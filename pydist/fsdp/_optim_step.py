@@ -37,8 +37,8 @@ the argument above holds; otherwise with its arguments unchanged:
     own FSDP2 parameters, and any other DTensors, step as without pydist;
   * every per-parameter tensor (parameter, gradient, each state list) at
     index i is a DTensor with parameter i's mesh, shape and placements,
-    none Partial, and this rank is in the mesh (DTensor dispatch skips the
-    op on a rank outside it);
+    each Shard or Replicate (no Partial), and this rank is in the mesh
+    (DTensor dispatch skips the op on a rank outside it);
   * no state tensor is still to be created: SGD fills a ``None`` momentum
     buffer with ``grad.clone()``, which must be the DTensor that DTensor
     dispatch makes, so that step (SGD's first) goes through the DTensors;
@@ -90,6 +90,10 @@ _FUNCTIONALS = (
 )
 
 _installed = False
+# (id, id) -> the two DeviceMesh objects (kept, so the ids stay theirs) found
+# equal: gradients may hold another mesh object than their parameter (one per
+# unit), and DeviceMesh.__eq__ costs microseconds a call.
+_EQUAL_MESHES: dict = {}
 
 
 def install_local_shard_step() -> None:
@@ -128,7 +132,7 @@ def _on_local_shards(original, f: _Functional):
 def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
     """``arguments`` with each per-parameter DTensor replaced by its local
     tensor, or None where the Note's conditions do not all hold."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
     if arguments.get("grad_scale") is not None or arguments.get("found_inf") is not None:
@@ -138,32 +142,33 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
     params = arguments["params"]
     if not params:
         return None
-    specs = []
-    for p in params:
+    lists = [arguments[name] for name in f.per_param if arguments[name]]  # params first
+    if any(len(tensors) != len(params) for tensors in lists):
+        return None
+    columns = [[] for _ in lists]
+    meshes = {}
+    for i, p in enumerate(params):
         if type(p) is not DTensor or not hasattr(p, "_pydist_fsdp_param") or p.dtype.is_complex:
             return None  # (torch's own fully_shard steps as without pydist)
         spec = p._spec
-        if any(placement.is_partial() for placement in spec.placements):
-            return None
-        specs.append(spec)
-    meshes = {id(s.mesh): s.mesh for s in specs}
+        mesh, placements, shape = spec.mesh, spec.placements, spec.tensor_meta.shape
+        for placement in placements:
+            if type(placement) is not Shard and type(placement) is not Replicate:
+                return None  # Partial (or any other kind): not the layout the Note argues about
+        meshes[id(mesh)] = mesh
+        for tensors, column in zip(lists, columns):
+            t = tensors[i]
+            if type(t) is not DTensor:  # None (a state still to be created), a plain tensor
+                return None
+            s = t._spec
+            if s is not spec and not ((s.mesh is mesh or _same_mesh(s.mesh, mesh)) and s.tensor_meta.shape == shape
+                                      and (s.placements is placements or s.placements == placements)):
+                return None
+            column.append(t._local_tensor)
     if not all(mesh._is_current_rank_part_of_mesh() for mesh in meshes.values()):
         return None
     local = dict(arguments)
-    for name in f.per_param:
-        tensors = arguments[name]
-        if not tensors:
-            continue
-        if len(tensors) != len(params):
-            return None
-        shards = []
-        for t, spec in zip(tensors, specs):
-            if type(t) is not DTensor:  # None (a state still to be created), a plain tensor
-                return None
-            if not _same_layout(t._spec, spec):
-                return None
-            shards.append(t._local_tensor)
-        local[name] = shards
+    local.update((name, column) for name, column in zip((n for n in f.per_param if arguments[n]), columns))
     if any(isinstance(t, DTensor) for name, value in arguments.items() if name not in f.per_param
            and isinstance(value, (list, tuple)) for t in value):
         return None  # e.g. DTensor step counts: not the layout the Note argues about
@@ -175,8 +180,13 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
     return local
 
 
-def _same_layout(a, b) -> bool:
-    """Whether DTensor dispatch runs a pointwise op over DTensors of specs
-    ``a`` and ``b`` on their local tensors as they are: one mesh, one global
-    shape, the same placements."""
-    return a is b or ((a.mesh is b.mesh or a.mesh == b.mesh) and a.placements == b.placements and a.shape == b.shape)
+def _same_mesh(a, b) -> bool:
+    pair = _EQUAL_MESHES.get((id(a), id(b)))
+    if pair is not None and pair[0] is a and pair[1] is b:
+        return True
+    if a != b:
+        return False
+    if len(_EQUAL_MESHES) > 4096:  # meshes made per step: keep the cache bounded
+        _EQUAL_MESHES.clear()
+    _EQUAL_MESHES[(id(a), id(b))] = (a, b)
+    return True
