@@ -11,7 +11,10 @@ StepLR scheduler changing lr each step, an ``opt.state_dict()`` /
 ``load_state_dict`` round trip into a new optimizer, and a
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` one into
 another. Compared bitwise: losses, norms, parameters, the optimizer state
-(values and that they stay DTensors of the parameter's placements). See
+(values and that they stay DTensors of the parameter's placements). Also:
+groups mixing pydist's parameters with a plain one or with torch FSDP2's
+step through the DTensors, and a step that raises on the local shards leaves
+the optimizer's parameters and state the same objects. See
 [Note: the optimizer step on local shards] in pydist/fsdp/_optim_step.py.
 """
 
@@ -110,7 +113,43 @@ def _rank(rank, world_size):
         if not placements or not all(got["state"][k] for k in placements):
             mismatches.append(f"{config[0]}: state not DTensors of the parameters' placements")
     return {"through_dtensors": through_dtensors, "local_steps": local_steps, "mismatches": mismatches,
-            "mixed_local_steps": _mixed_groups(torch_fully_shard, pydist.fully_shard)}
+            "mixed_local_steps": _mixed_groups(torch_fully_shard, pydist.fully_shard),
+            "after_error": _failing_step(pydist.fully_shard)}
+
+
+def _failing_step(fully_shard) -> str:
+    """A step that raises inside torch's update on the local shards (an
+    ``exp_avg`` of another dtype) leaves the optimizer's parameters and
+    state the same objects, DTensors; "" or what differs."""
+    from torch.distributed.tensor import DTensor
+
+    from pydist.fsdp._optim_step import LOCAL_SHARD_STEPS
+
+    torch.manual_seed(0)
+    model = fully_shard(_model())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+        if not opt.state:
+            opt.step()
+    params = list(opt.param_groups[0]["params"])
+    p = params[0]
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].double()
+    state = {q: dict(opt.state[q]) for q in params}
+    before = LOCAL_SHARD_STEPS["adam"]
+    try:
+        opt.step()
+        return "the step did not raise"
+    except RuntimeError:
+        pass
+    if LOCAL_SHARD_STEPS["adam"] != before + 1:
+        return "the step that raised did not run on local shards"
+    if any(a is not b or type(a) is not DTensor for a, b in zip(opt.param_groups[0]["params"], params, strict=True)):
+        return "parameters"
+    if any(opt.state[q].keys() != state[q].keys() or any(opt.state[q][k] is not v for k, v in state[q].items())
+           for q in params) or not all(type(opt.state[q]["exp_avg"]) is DTensor for q in params):
+        return "state"
+    return ""
 
 
 def _mixed_groups(torch_fully_shard, pydist_fully_shard) -> list:
@@ -164,3 +203,4 @@ def test_optimizer_step_on_local_shards_is_torch_fsdp2s_bitwise():
         expected = {name: 3 * STEPS - 1 if cls == "SGD" else 3 * STEPS + 1 for name, cls, _ in CONFIGS}
         assert r["local_steps"] == expected, f"rank {rank}"
         assert r["mixed_local_steps"] == [0, 0], f"rank {rank}"
+        assert r["after_error"] == "", f"rank {rank}: {r['after_error']} changed by a step that raised"
