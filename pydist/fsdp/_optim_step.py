@@ -169,9 +169,10 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
         return None
     local = dict(arguments)
     local.update((name, column) for name, column in zip((n for n in f.per_param if arguments[n]), columns))
-    if any(isinstance(t, DTensor) for name, value in arguments.items() if name not in f.per_param
-           and isinstance(value, (list, tuple)) for t in value):
-        return None  # e.g. DTensor step counts: not the layout the Note argues about
+    for name, value in arguments.items():  # step counts, lr, betas: plain tensors or numbers, passed as they are
+        if name not in f.per_param and (isinstance(value, DTensor) or isinstance(value, (list, tuple)) and any(
+                isinstance(t, DTensor) for t in value)):
+            return None
     if arguments.get("foreach") is None and arguments.get("fused") is None:
         differentiable = bool(arguments.get("differentiable", False))
         if (_default_to_fused_or_foreach(params, differentiable, use_fused=False)
