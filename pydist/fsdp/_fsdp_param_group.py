@@ -135,7 +135,7 @@ from pydist.fsdp import _clip_grad as clip_grad
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo, dtensor_spec
 
-__all__ = ["FSDPParamGroup", "Layout", "Column", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
+__all__ = ["FSDPParamGroup", "Layout", "Column", "Phase", "Materializing", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
            "UnshardPool", "PoolSlot", "POOL_SLOTS", "ReduceLayout"]
 
 
@@ -185,7 +185,7 @@ class CollectiveRecord(NamedTuple):
 
     unit: str  # the unit's module name under the root ("" for the root)
     kind: str  # "all_gather" or "reduce_scatter"
-    phase: str  # all-gathers: "forward", "backward", "forward_prefetch", "backward_prefetch", "explicit"; "backward"
+    phase: str  # a Phase's value: an all-gather's; "backward" for reductions
     issued_ns: int  # handed to the transport
     needed_ns: int  # the compute thread began waiting for it
     completed_ns: int  # the transport finished it (-1: not stamped)
@@ -194,6 +194,36 @@ class CollectiveRecord(NamedTuple):
     def exposed_ns(self) -> int:
         """How long the compute thread waited for it."""
         return max(0, self.completed_ns - self.needed_ns) if self.completed_ns >= 0 else 0
+
+
+class Phase(enum.Enum):
+    """Why an all-gather was issued; records name the collective by its value."""
+
+    FORWARD = "forward"  # a unit's forward needs its parameters (its batch's, under the root's plan)
+    BACKWARD = "backward"  # a unit's backward needs them
+    FORWARD_PREFETCH = "forward_prefetch"  # gathered ahead of the forward that needs them
+    BACKWARD_PREFETCH = "backward_prefetch"  # gathered ahead of the backward that needs them
+    EXPLICIT = "explicit"  # asked for outside the hooks: FSDPModule.unshard(), a recompute's wait
+
+    @property
+    def prefetch(self) -> "Phase":
+        """FORWARD's or BACKWARD's ahead-of-need phase."""
+        return _PREFETCH[self]
+
+
+_PREFETCH = {Phase.FORWARD: Phase.FORWARD_PREFETCH, Phase.BACKWARD: Phase.BACKWARD_PREFETCH}
+# The phases whose unsharded parameters are given back at the end of forward (backward).
+_FORWARD_PHASES = frozenset((Phase.FORWARD, Phase.FORWARD_PREFETCH))
+_BACKWARD_PHASES = frozenset((Phase.BACKWARD, Phase.BACKWARD_PREFETCH))
+
+
+class Materializing(enum.Enum):
+    """Where a unit built on the meta device is on its way to a shard (see
+    [Note: a unit built on the meta device]); None once it has one."""
+
+    META = enum.auto()  # full-size (FLAT) or DTensor meta parameters on the modules, a meta shard
+    FULL = enum.auto()  # to_empty gave the modules full-size parameters, which the unit adopted
+    LOCAL = enum.auto()  # DTensor units: to_empty gave each rank its local chunks, which the unit adopted
 
 
 class TrainingState(enum.Enum):
@@ -253,9 +283,10 @@ class FSDPParamGroup:
                     + "; pydist shards a unit whose parameters are all on one CPU or CUDA device, or all on the meta "
                     "device (see [Note: a unit built on the meta device])"
                 )
-        # See [Note: a unit built on the meta device]: "meta" until
-        # to_empty, "full" until the unit's first use, then None.
-        self.materializing: str | None = "meta" if {d.type for d in devices} == {"meta"} else None
+        # See [Note: a unit built on the meta device]: META until
+        # to_empty, FULL (LOCAL) until the unit's first use, then None.
+        self.materializing: Materializing | None = (Materializing.META if {d.type for d in devices} == {"meta"}
+                                                    else None)
         # Where the shard, the unsharded buffer and the gradients live: the
         # parameters' device (a meta unit's: the one to_empty gives it).
         self.device: torch.device = next(iter(devices), torch.device("cpu"))
@@ -389,7 +420,7 @@ class FSDPParamGroup:
         self._grads_for: list[FSDPParam] | None = None
         self.requires_gradient_sync = True
         # The all-gather in flight while UNSHARDING (an UnshardResult), and
-        # (issued_ns, phase) for its record.
+        # (issued_ns, its Phase's value) for its record.
         self._unshard_future = None
         self._unshard_issue: tuple[int, str] = (0, "")
         # This iteration's collectives (the root clears them at its pre-forward),
@@ -519,13 +550,13 @@ class FSDPParamGroup:
     #     opt = torch.optim.AdamW(model.parameters())
     # torch's sharded parameters are DTensors of the full shape, so the init
     # runs on them (kaiming needs the shape). pydist's are 1-D pieces of the
-    # flat layout, so a meta unit goes through two states first:
-    #   "meta"  fully_shard leaves the module's full-size meta parameters in
+    # flat layout, so a meta unit goes through two states (``Materializing``) first:
+    #   META    fully_shard leaves the module's full-size meta parameters in
     #           place and makes a meta shard (no memory);
-    #   "full"  to_empty (Module._apply: after_apply) creates full-size CPU
+    #   FULL    to_empty (Module._apply: after_apply) creates full-size CPU
     #           parameters on the modules, which this unit adopts as its
     #           sharded parameters; the user's init fills them, the optimizer
-    #           takes them;
+    #           takes them (a DTensor unit: LOCAL, each rank's chunks);
     #   None    at the unit's first use (the root's lazy init, a state dict,
     #           unshard) shard_materialized lays them out flat, keeps this
     #           rank's shard, and points each of those same Parameter objects
@@ -578,11 +609,11 @@ class FSDPParamGroup:
             fp.sharded_param = p
             fp.requires_grad = p.requires_grad
             if p.device.type != "meta":
-                if self.materializing == "full" and p.device != self.device:
+                if self.materializing is Materializing.FULL and p.device != self.device:
                     raise NotImplementedError(
                         f"pydist.fully_shard({self.label}): parameter {fp.fqn} was materialized on {p.device}, others "
                         f"of its unit on {self.device}; a unit's parameters live on one device")
-                self.materializing = "full"
+                self.materializing = Materializing.FULL
                 self.device = p.device
         self._sharded_regs = self._registrations("sharded_param")
         self._take_up_requires_grad()
@@ -592,7 +623,7 @@ class FSDPParamGroup:
         a move or cast) may have put new DTensor parameters on the modules,
         or new local tensors in the old ones (``swap_tensors``). Each becomes
         the sharded parameter; its local values go into the shard (a unit
-        still on the meta device: "local", sharded at its first use). As
+        still on the meta device: LOCAL, sharded at its first use). As
         torch FSDP2's ``reset_sharded_param``. See [Note: DTensor parameters]
         in _fsdp_param.py."""
         from torch.distributed.tensor import DTensor
@@ -624,7 +655,7 @@ class FSDPParamGroup:
                 fp.sharded_param = p
                 changed = True
             if self.materializing is not None:
-                self.materializing = "local"
+                self.materializing = Materializing.LOCAL
                 self.device = local.device
             elif local.data_ptr() != (view := fp.local_view(self.shard)).data_ptr():
                 with torch.no_grad():
@@ -643,13 +674,13 @@ class FSDPParamGroup:
         the meta device]."""
         if self.materializing is None:
             return
-        if self.materializing == "meta":
+        if self.materializing is Materializing.META:
             raise RuntimeError(
                 f"pydist.fully_shard({self.label}): the unit's parameters are still on the meta device; call "
                 "module.to_empty(device='cpu') on the root and initialize the parameters (e.g. reset_parameters(), "
                 "or load a state dict) before its first forward, state dict or unshard"
             )
-        if self.materializing == "local":  # each rank has its pieces only: see [Note: DTensor parameters]
+        if self.materializing is Materializing.LOCAL:  # each rank has its pieces only: see [Note: DTensor parameters]
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
                 for fp in self.fsdp_params:
@@ -665,7 +696,7 @@ class FSDPParamGroup:
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
 
-    def unshard(self, phase: str = "explicit", pooled: bool = False) -> None:
+    def unshard(self, phase: Phase = Phase.EXPLICIT, pooled: bool = False) -> None:
         """Starts the all-gather of the unit's parameters (no-op unless
         SHARDED); ``pooled``: into a pool slot when one is free and the unit
         may borrow one (see [Note: the unsharded buffer's memory])."""
@@ -678,23 +709,23 @@ class FSDPParamGroup:
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
         self._unshard_future = self.gather(shard, self.unsharded)
 
-    def may_borrow(self, phase: str) -> bool:
+    def may_borrow(self, phase: Phase) -> bool:
         """Whether an unshard in ``phase`` may take pool memory: the unit
         reshards at the end of that phase. See [Note: the unsharded buffer's memory]."""
         if self.pool is None:
             return False
-        if phase.startswith("forward"):
+        if phase in _FORWARD_PHASES:
             return self.reshard_after_forward and not self.is_root
-        return phase.startswith("backward") and self.reshard_after_backward
+        return phase in _BACKWARD_PHASES and self.reshard_after_backward
 
-    def _begin_unshard(self, phase: str, issued_ns: int, slot: "PoolSlot | None", offset: int) -> None:
+    def _begin_unshard(self, phase: Phase, issued_ns: int, slot: "PoolSlot | None", offset: int) -> None:
         if self.transport is None:
             self._check_transport("unshard")
         if slot is not None:
             slot.place(self, offset)
         else:
             self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
-        self._unshard_issue = (issued_ns, phase)
+        self._unshard_issue = (issued_ns, phase.value)
         self.sharded_state = _UNSHARDING
 
     def _leave_pool(self) -> None:
@@ -755,14 +786,14 @@ class FSDPParamGroup:
         _register(self._unsharded_regs)
         self.sharded_state = ShardedState.UNSHARDED
 
-    def wait_for_unshard(self, phase: str = "explicit") -> None:
+    def wait_for_unshard(self, phase: Phase = Phase.EXPLICIT) -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
         if self.sharded_state is ShardedState.KEPT:  # gathered already (its backward, a recompute)
             _register(self._unsharded_regs)
             self.sharded_state = ShardedState.UNSHARDED
             return
         if self.sharded_state == ShardedState.SHARDED:
-            self.unshard(phase, pooled=phase != "explicit")
+            self.unshard(phase, pooled=phase is not Phase.EXPLICIT)
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()
             self._register_unsharded()
@@ -789,7 +820,7 @@ class FSDPParamGroup:
 
     def pre_forward(self) -> None:
         self.training_state = TrainingState.FORWARD
-        self.wait_for_unshard("forward")
+        self.wait_for_unshard(Phase.FORWARD)
 
     def post_forward(self, reshard: bool) -> None:
         if self.keep_for_backward:
@@ -822,7 +853,7 @@ class FSDPParamGroup:
             return False
         self.training_state = TrainingState.PRE_BACKWARD
         if self.sharded_state is not ShardedState.UNSHARDED:
-            self.wait_for_unshard("backward")
+            self.wait_for_unshard(Phase.BACKWARD)
         return True
 
     # [Note: the per-gradient seam]
@@ -984,7 +1015,7 @@ class FSDPParamGroup:
                 needed = time.monotonic_ns()
                 completed = reduce.future.wait()
                 kind = "reduce_scatter" if self.sharded else "all_reduce"
-                self._timings.append((kind, "backward", self._reduce_issued, needed, completed))
+                self._timings.append((kind, Phase.BACKWARD.value, self._reduce_issued, needed, completed))
             if replica is None or not replica.held:  # held (set_requires_all_reduce(False)): no .grad now
                 if self.all_reduce_hook is not None and self.sharded:
                     self.all_reduce_hook(reduce.output)
@@ -1228,7 +1259,7 @@ def _register(regs: list) -> None:
         params.update(tensors)
 
 
-def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
+def unshard_units(groups: Sequence[FSDPParamGroup], phase: Phase) -> None:
     """Starts the all-gather of the SHARDED units among ``groups`` (which
     ``batches_with`` one another) as one collective; one unit alone takes
     ``unshard``. See [Note: batched collectives] in _fsdp_collectives.py."""
@@ -1245,8 +1276,8 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
     # unsharded buffer's memory].
     borrowers, offsets, nbytes = [], [], 0
     if first.pool is not None:
-        forward = phase.startswith("forward")
-        backward = not forward and phase.startswith("backward")
+        forward = phase in _FORWARD_PHASES
+        backward = phase in _BACKWARD_PHASES
         for g in groups:
             if (g.reshard_after_forward and not g.is_root) if forward else (backward and g.reshard_after_backward):
                 borrowers.append(g)
@@ -1259,7 +1290,7 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
     if slot is not None:
         slot.place_all(borrowers, offsets,
                        cached[2] if cached is not None and len(borrowers) == len(groups) else None)
-    issue = (time.monotonic_ns(), phase)
+    issue = (time.monotonic_ns(), phase.value)
     for g in groups:
         if g._slot is None:
             g.unsharded.untyped_storage().resize_(g.unsharded_nbytes)
@@ -1468,7 +1499,7 @@ class ReplicaReduce:
         """``members``: (unit, where its shard starts in ``output``)."""
         needed = time.monotonic_ns()
         completed = scattered.wait()
-        self.scatter_record = ("reduce_scatter", "backward", issued_ns, needed, completed)
+        self.scatter_record = ("reduce_scatter", Phase.BACKWARD.value, issued_ns, needed, completed)
         wanted = {pg.requires_all_reduce for pg, _ in members}
         if len(wanted) > 1:
             raise NotImplementedError(
@@ -1494,7 +1525,7 @@ class ReplicaReduce:
             return [self.scatter_record]
         needed = time.monotonic_ns()
         completed = self.future.wait()
-        return [self.scatter_record, ("all_reduce", "backward", self.issued_ns, needed, completed)]
+        return [self.scatter_record, ("all_reduce", Phase.BACKWARD.value, self.issued_ns, needed, completed)]
 
 
 class GradBatch:
@@ -1611,7 +1642,7 @@ class GradBatch:
             records, held = self.replica.wait(), self.replica.held
         else:
             needed = time.monotonic_ns()
-            records = [("reduce_scatter", "backward", self.issued_ns, needed, self.future.wait())]
+            records = [("reduce_scatter", Phase.BACKWARD.value, self.issued_ns, needed, self.future.wait())]
         self.future = self.replica = None
         arrived = self.arrived
         if held:  # set_requires_all_reduce(False): the shards wait in the units' _partial, no .grad now

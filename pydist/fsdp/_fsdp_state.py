@@ -101,8 +101,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ReduceLayout, ShardedState, TrainingState,
-                                           UnshardPool, unshard_units)
+from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, Materializing, Phase, ReduceLayout, ShardedState,
+                                           TrainingState, UnshardPool, unshard_units)
 
 __all__ = ["FSDPState", "state_of", "GatherPlan", "UnitRun", "DEFAULT_BATCH_BYTES"]
 
@@ -285,7 +285,7 @@ class FSDPState:
                 )
             if state is not self and state.batch_bytes != DEFAULT_BATCH_BYTES:
                 state.refuse_batch_bytes_off_root(self, name)
-            if state.param_group is not None and state.param_group.materializing == "meta":
+            if state.param_group is not None and state.param_group.materializing is Materializing.META:
                 state.param_group.shard_materialized()  # raises: to_empty first
         for _, state in named:  # see [Note: a unit built on the meta device] in _fsdp_param_group.py
             if state.param_group is not None:
@@ -545,7 +545,7 @@ class FSDPState:
             self.forward_start_ns, self.backward_start_ns = time.monotonic_ns(), -1
         if self.forward_plan is not None:
             self.forward_plan.reshard_kept()  # no backward came for them
-        self.forward_plan = (GatherPlan(self.forward_order, self.batch_bytes, "forward", self.forward_plan)
+        self.forward_plan = (GatherPlan(self.forward_order, self.batch_bytes, Phase.FORWARD, self.forward_plan)
                              if self.forward_order else None)
         self.backward_plan = None
         self.forward_order = []
@@ -787,7 +787,7 @@ class FSDPState:
                 if pg.sharded_state is not _UNSHARDED:
                     if pg.sharded_state is _SHARDED:  # no plan gathered it
                         root.check_forward_order(self)
-                    pg.wait_for_unshard("forward")
+                    pg.wait_for_unshard(Phase.FORWARD)
                 root.forward_order.append(self)
                 if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
                     hook = root._last_hook  # see _join_or_register_post_backward
@@ -821,7 +821,7 @@ class FSDPState:
             # (order, reuse check, post-backward hooks, resharding). As
             # torch's FSDP2, which skips its input casts here too.
             if pg is not None:
-                pg.wait_for_unshard("backward")
+                pg.wait_for_unshard(Phase.BACKWARD)
             return args, kwargs
         if self.is_root:
             self._root_pre_forward()
@@ -849,7 +849,7 @@ class FSDPState:
         root.forward_order.append(self)
         for target in self.forward_prefetch:
             if target.param_group is not None:
-                target.param_group.unshard("forward_prefetch")
+                target.param_group.unshard(Phase.FORWARD_PREFETCH)
         if torch.is_grad_enabled():
             return self._join_or_register_post_backward(root, args, kwargs)
         return args, kwargs
@@ -969,7 +969,7 @@ class FSDPState:
             for target in self.backward_prefetch:
                 tpg = target.param_group
                 if tpg is not None and tpg.training_state != TrainingState.POST_BACKWARD:
-                    tpg.unshard("backward_prefetch")
+                    tpg.unshard(Phase.BACKWARD_PREFETCH)
 
     def _plan_backward(self) -> None:
         """Root, at the first backward hook: the backward gather plan and the
@@ -984,7 +984,7 @@ class FSDPState:
             # split it from them.)
             plan = GatherPlan.backward_of(forward, self._last_backward_plan)
         else:
-            plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward", self._last_backward_plan)
+            plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, Phase.BACKWARD, self._last_backward_plan)
         self.backward_plan = plan
         self._last_backward_plan = plan
         plan.start()
@@ -1053,7 +1053,7 @@ class GatherPlan:
     """The units in the order they are expected to need their parameters,
     gathered in batches one batch ahead. See [Note: gather and reduce plans]."""
 
-    def __init__(self, order: list[FSDPState], batch_bytes: int, phase: str, last: GatherPlan | None = None):
+    def __init__(self, order: list[FSDPState], batch_bytes: int, phase: Phase, last: GatherPlan | None = None):
         self._fields(order, batch_bytes, phase)
         if (last is not None and last.reusable and last.phase == phase and last.batch_bytes == batch_bytes
                 and last.order == order):
@@ -1078,9 +1078,9 @@ class GatherPlan:
         # cut from the SHARDED units, so only when every unit was (a unit
         # left unsharded now would stay out of every batch after; a unit
         # unsharded at a later cut is left out of its batch at the issue).
-        self.reusable = phase != "forward" or all(s.param_group.sharded_state is ShardedState.SHARDED
+        self.reusable = phase is not Phase.FORWARD or all(s.param_group.sharded_state is ShardedState.SHARDED
                                                   for s in self.states)
-        if phase == "forward":
+        if phase is Phase.FORWARD:
             self.flat = all(s.param_group.enclosing is None for s in self.states)
             self.batches = []
             start = 0
@@ -1093,11 +1093,11 @@ class GatherPlan:
                     self.batches.append(members)
                     self.batch_groups.append([self.states[k].param_group for k in members])
 
-    def _fields(self, order: list[FSDPState], batch_bytes: int, phase: str) -> None:
+    def _fields(self, order: list[FSDPState], batch_bytes: int, phase: Phase) -> None:
         """Every plan's state before its layout (states, position, batches) is made."""
         self.order = order
         self.batch_bytes = batch_bytes
-        self.phase = phase  # "forward" or "backward": records name the collectives by it
+        self.phase = phase  # FORWARD or BACKWARD: the collectives' phase (their prefetch phase ahead)
         self.cursor = 0  # every unit before it has been considered for a batch
         self.heads: set[int] = set()  # ids of the first units (param groups) of batches issued ahead: starting one issues the next
         self.kept: list[FSDPParamGroup] = []  # forward: the last batch, left unsharded for backward
@@ -1121,7 +1121,7 @@ class GatherPlan:
         last unit; the layout of ``last`` where it was made from the same
         forward batches (which a reused forward layout shares)."""
         plan = cls.__new__(cls)
-        plan._fields(forward.order[::-1], forward.batch_bytes, "backward")  # not reusable: __init__'s reuse is for its own cuts
+        plan._fields(forward.order[::-1], forward.batch_bytes, Phase.BACKWARD)  # not reusable: __init__'s reuse is for its own cuts
         plan.made_from = forward.batches
         if last is not None and last.made_from is forward.batches:
             plan.states, plan.position, plan.batches, plan.batch_of = (last.states, last.position, last.batches,
@@ -1144,10 +1144,10 @@ class GatherPlan:
             if self.batches:
                 self._issue_batch(self.phase)  # gathers nothing when the forward kept it
                 if not self.heads and self.issued < len(self.batches):
-                    self._issue_batch(self.phase + "_prefetch")
+                    self._issue_batch(self.phase.prefetch)
             return
         if self.states and self.states[0].param_group.sharded_state is not ShardedState.SHARDED:
-            self._issue(0, self.phase + "_prefetch")
+            self._issue(0, self.phase.prefetch)
 
     def reshard_kept(self) -> None:
         """Reshards the units kept for a backward that did not come (a
@@ -1172,13 +1172,13 @@ class GatherPlan:
             if id(state.param_group) in self.heads:
                 self.heads.discard(id(state.param_group))
                 if self.issued < len(self.batches):
-                    self._issue_batch(self.phase + "_prefetch")
+                    self._issue_batch(self.phase.prefetch)
             return
         if state.param_group.sharded_state == ShardedState.SHARDED:
             self._issue(i, self.phase)
         if id(state.param_group) in self.heads:
             self.heads.discard(id(state.param_group))
-            self._issue(self.cursor, self.phase + "_prefetch")
+            self._issue(self.cursor, self.phase.prefetch)
 
     def issue_rest(self) -> None:
         """Forward: issues the batches not issued yet (of units this rank
@@ -1186,12 +1186,12 @@ class GatherPlan:
         while self.batches is not None and self.issued < len(self.batches):
             self._issue_batch(self.phase)
 
-    def _issue_batch(self, phase: str) -> None:
+    def _issue_batch(self, phase: Phase) -> None:
         """Issues the next batch (its units still SHARDED)."""
         groups = [pg for pg in self.batch_groups[self.issued] if pg.sharded_state is _SHARDED]
         self.issued += 1
         self._gather(groups, phase)
-        if self.phase == "forward" and self.issued == len(self.batches) and groups and torch.is_grad_enabled():
+        if self.phase is Phase.FORWARD and self.issued == len(self.batches) and groups and torch.is_grad_enabled():
             self._keep_for_backward(groups)
 
     def _keep_for_backward(self, groups: list[FSDPParamGroup]) -> None:
@@ -1223,13 +1223,13 @@ class GatherPlan:
             k += 1
         return members, k
 
-    def _issue(self, start: int, phase: str) -> None:
+    def _issue(self, start: int, phase: Phase) -> None:
         """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
         members, k = self._cut(start)
         self.cursor = max(self.cursor, k)
         self._gather([self.states[k].param_group for k in members], phase)
 
-    def _gather(self, groups: list[FSDPParamGroup], phase: str) -> None:
+    def _gather(self, groups: list[FSDPParamGroup], phase: Phase) -> None:
         """Starts the all-gather of ``groups`` (SHARDED units) as one collective."""
         if not groups:
             return

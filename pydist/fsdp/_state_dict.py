@@ -78,7 +78,7 @@ import torch.nn as nn
 
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, as_dtensor
-from pydist.fsdp._fsdp_param_group import ShardedState, TrainingState
+from pydist.fsdp._fsdp_param_group import Materializing, ShardedState, TrainingState
 from pydist.fsdp._fsdp_state import state_of
 from pydist.fsdp._utils import _root_state, _units
 
@@ -281,10 +281,10 @@ def _load_model_state_dict(model, state_dict, info):
     """torch's, into units still on the meta device too: see [Note: resuming
     a model built on the meta device]."""
     units = _units(model)
-    meta = [pg for pg in units if pg.materializing == "meta"]
+    meta = [pg for pg in units if pg.materializing is Materializing.META]
     state_dict, info = _broadcast_for_dtensors(units, state_dict, info)
     if meta and (info.full_state_dict or info.broadcast_from_rank0):
-        ready = [pg for pg in units if pg.materializing != "meta"]
+        ready = [pg for pg in units if pg.materializing is not Materializing.META]
         if ready:
             raise NotImplementedError(
                 f"pydist set_model_state_dict: units {[pg.label for pg in meta][:3]} are on the meta device and "
