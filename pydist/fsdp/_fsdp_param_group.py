@@ -50,7 +50,7 @@ the saved views (the version counters are left alone: see
 
 The memory comes from the root's pool (``UnshardPool``): POOL_SLOTS = 2
 slots, prefetch depth + 1 (the batch being computed and the one the root's
-plan gathers ahead; see [Note: gather and reduce plans] in _fsdp_state.py).
+plan gathers ahead; see [Note: gather and reduce plans] in _fsdp_schedule.py).
 A slot is one allocation that grows within an iteration (to the largest
 batch it held), and a batch of units gathered as one collective shares one
 slot, each unit's storage pointing at its offset without owning it
@@ -135,8 +135,8 @@ from pydist.fsdp import _clip_grad as clip_grad
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo, dtensor_spec
 
-__all__ = ["FSDPParamGroup", "Layout", "Column", "Phase", "Materializing", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
-           "UnshardPool", "PoolSlot", "POOL_SLOTS", "ReduceLayout"]
+__all__ = ["FSDPParamGroup", "Layout", "Column", "Phase", "Materializing", "TrainingState", "ShardedState",
+           "CollectiveRecord", "ReplicaReduce"]
 
 
 class Layout(enum.Enum):
@@ -210,9 +210,18 @@ class Phase(enum.Enum):
         """FORWARD's or BACKWARD's ahead-of-need phase."""
         return _PREFETCH[self]
 
+    @property
+    def in_forward(self) -> bool:
+        """FORWARD or FORWARD_PREFETCH: the unit reshards at its post-forward."""
+        return self in _FORWARD_PHASES
+
+    @property
+    def in_backward(self) -> bool:
+        """BACKWARD or BACKWARD_PREFETCH: the unit reshards at its post-backward."""
+        return self in _BACKWARD_PHASES
+
 
 _PREFETCH = {Phase.FORWARD: Phase.FORWARD_PREFETCH, Phase.BACKWARD: Phase.BACKWARD_PREFETCH}
-# The phases whose unsharded parameters are given back at the end of forward (backward).
 _FORWARD_PHASES = frozenset((Phase.FORWARD, Phase.FORWARD_PREFETCH))
 _BACKWARD_PHASES = frozenset((Phase.BACKWARD, Phase.BACKWARD_PREFETCH))
 
@@ -241,7 +250,7 @@ class ShardedState(enum.Enum):
     UNSHARDING = enum.auto()  # all-gather in flight into the unsharded buffer
     UNSHARDED = enum.auto()  # full parameters registered on the modules
     # Gathered and kept from its forward for its backward, the shards on the
-    # modules meanwhile (see [Note: gather and reduce plans] in _fsdp_state.py)
+    # modules meanwhile (see [Note: gather and reduce plans] in _fsdp_schedule.py)
     KEPT = enum.auto()
 
 
@@ -438,14 +447,14 @@ class FSDPParamGroup:
         # Set by the root's reduce plan for this backward: the units whose
         # gradients go as one reduce-scatter with this one's (None: alone).
         # See [Note: batched collectives] in _fsdp_collectives.py.
-        self.grad_batch: GradBatch | None = None
+        self.grad_batch = None  # a _fsdp_schedule.GradBatch
         # Gathered ahead by the root's plan and not yet used: the root
         # reshards it if its forward does not come (see [Note: gather and
-        # reduce plans] in _fsdp_state.py).
+        # reduce plans] in _fsdp_schedule.py).
         self.gathered_ahead = False
         # In the last batch the root's forward plan gathers: its post-forward
         # leaves it KEPT, not SHARDED, as backward needs it first (see [Note:
-        # gather and reduce plans] in _fsdp_state.py).
+        # gather and reduce plans] in _fsdp_schedule.py).
         self.keep_for_backward = False
         # Set by the root at its lazy init: the nearest unit whose module
         # contains this one's, the root aside (None: none).
@@ -455,9 +464,9 @@ class FSDPParamGroup:
         # (it keeps its parameters from forward to backward). See [Note: the
         # unsharded buffer's memory]. The slot the unsharded buffer points
         # into while unsharded (None: it owns its memory, or has none).
-        self.pool: UnshardPool | None = None
+        self.pool = None  # a _fsdp_schedule.UnshardPool
         self.is_root = False
-        self._slot: PoolSlot | None = None
+        self._slot = None  # a _fsdp_schedule.PoolSlot
         # unshard_units' lists of the batch this unit heads: (the units,
         # their shards, their buffers, the buffers' per-rank views rank-major).
         self._gather_lists: tuple | None = None
@@ -714,11 +723,11 @@ class FSDPParamGroup:
         reshards at the end of that phase. See [Note: the unsharded buffer's memory]."""
         if self.pool is None:
             return False
-        if phase in _FORWARD_PHASES:
+        if phase.in_forward:
             return self.reshard_after_forward and not self.is_root
-        return phase in _BACKWARD_PHASES and self.reshard_after_backward
+        return phase.in_backward and self.reshard_after_backward
 
-    def _begin_unshard(self, phase: Phase, issued_ns: int, slot: "PoolSlot | None", offset: int) -> None:
+    def _begin_unshard(self, phase: Phase, issued_ns: int, slot, offset: int) -> None:
         if self.transport is None:
             self._check_transport("unshard")
         if slot is not None:
@@ -1259,214 +1268,6 @@ def _register(regs: list) -> None:
         params.update(tensors)
 
 
-def unshard_units(groups: Sequence[FSDPParamGroup], phase: Phase) -> None:
-    """Starts the all-gather of the SHARDED units among ``groups`` (which
-    ``batches_with`` one another) as one collective; one unit alone takes
-    ``unshard``. See [Note: batched collectives] in _fsdp_collectives.py."""
-    groups = [g for g in groups if g.sharded_state is _SHARDED]
-    if len(groups) <= 1:
-        for g in groups:
-            g.unshard(phase, pooled=True)
-        return
-    first = groups[0]
-    if first.transport is None:
-        first._check_transport("unshard")
-    # The members that may borrow (see may_borrow) share one slot, end to
-    # end, each aligned; the others own their memory. See [Note: the
-    # unsharded buffer's memory].
-    borrowers, offsets, nbytes = [], [], 0
-    if first.pool is not None:
-        forward = phase in _FORWARD_PHASES
-        backward = phase in _BACKWARD_PHASES
-        for g in groups:
-            if (g.reshard_after_forward and not g.is_root) if forward else (backward and g.reshard_after_backward):
-                borrowers.append(g)
-                offsets.append(nbytes)
-                nbytes += -(-g.unsharded_nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
-    cached = first._gather_lists  # see below
-    if cached is not None and cached[0] != groups:
-        cached = None
-    slot = first.pool.take(nbytes) if borrowers else None
-    if slot is not None:
-        slot.place_all(borrowers, offsets,
-                       cached[2] if cached is not None and len(borrowers) == len(groups) else None)
-    issue = (time.monotonic_ns(), phase.value)
-    for g in groups:
-        if g._slot is None:
-            g.unsharded.untyped_storage().resize_(g.unsharded_nbytes)
-        g._unshard_issue = issue
-        g.sharded_state = _UNSHARDING
-        if g.rank_views is None:
-            g.rank_views = g.cut_views(g.unsharded)
-    # The same units gather as one batch every iteration: their tensors'
-    # lists are made once (the shards, buffers and views are the units' for good).
-    if cached is None:
-        cached = first._gather_lists = (groups, [cut for g in groups for cut in g.shard_cuts(g.shard)],
-                                        tuple(g.unsharded for g in groups),
-                                        collectives.rank_major([g.rank_views for g in groups], first.world_size))
-    future = collectives.all_gather_units(first.transport, cached[1], cached[2], cached[3], first.compute_dtype)
-    future.members = groups  # the first wait unshards them all: see _wait_all_gather
-    for g in groups:
-        g._unshard_future = future
-
-
-# The unshard pool's slots: prefetch depth + 1 (the batch computing and the
-# one gathered ahead). See [Note: the unsharded buffer's memory].
-POOL_SLOTS = 2
-# Where in a slot each unit of a batch starts: a multiple of this many bytes
-# (a cache line, and any dtype's element size).
-_SLOT_ALIGN = 64
-
-
-class PoolSlot:
-    """One slot of an ``UnshardPool``: memory that the unsharded buffers of
-    one batch of units point into while unsharded. Taken whole (``take``)
-    while no unit points into it; each unit is placed at its offset
-    (``place``) and gives its part back at reshard (``give_back``); free
-    again once the last has. See [Note: the unsharded buffer's memory]."""
-
-    def __init__(self, index: int, device: torch.device):
-        self.index = index
-        self.device = device  # the root's units' device
-        self.memory: torch.Tensor | None = None  # uint8; grows within an iteration; freed by UnshardPool.release
-        self.base = 0  # the memory's address
-        # The units pointing into it now: id -> (unit, offset in bytes).
-        self.users: dict[int, tuple[FSDPParamGroup, int]] = {}
-        self.taken = False  # handed out by the pool, not yet free again
-        # Where the last unit placed since the take ends: a batch's units are
-        # placed end to end, in order, so a placement before it overlaps one.
-        self.placed_end = 0
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.memory is None else self.memory.numel()
-
-    def take(self, nbytes: int) -> None:
-        if self.taken or self.users:
-            raise RuntimeError(
-                f"pydist FSDP unshard pool: slot {self.index} handed out again while units "
-                f"{[pg.label for pg, _ in self.users.values()]} still point into it; their parameters would be "
-                "overwritten by another unit's. This is a bug in pydist: please report it"
-            )
-        if self.nbytes < nbytes:
-            self.memory = None  # no unit points into it: free the old memory first
-            self.memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.base = self.memory.data_ptr()
-        self.taken = True
-        self.placed_end = 0
-
-    def place(self, pg: FSDPParamGroup, offset: int) -> None:
-        """Points ``pg``'s unsharded buffer at ``[offset, offset + its bytes)``."""
-        end = offset + pg.unsharded_nbytes
-        if not self.taken or offset < self.placed_end:
-            raise RuntimeError(
-                f"pydist FSDP unshard pool: unit {pg.label!r} placed at bytes [{offset}, {end}) of slot "
-                f"{self.index}, " + (f"before the end of the last unit placed ({self.placed_end})" if self.taken
-                                     else "which is not taken") + "; this is a bug in pydist"
-            )
-        _C.point_storage_into(pg.unsharded, self.memory, offset)
-        self.placed_end = end
-        self.users[id(pg)] = (pg, offset)
-        pg._slot = self
-
-    def place_all(self, groups: list[FSDPParamGroup], offsets: list[int], buffers=None) -> None:
-        """``place`` of each of ``groups`` at its offset (ascending), in one
-        C++ call; ``buffers``: their unsharded buffers, where the caller has them."""
-        if not self.taken or (offsets and offsets[0] < self.placed_end):
-            raise RuntimeError(
-                f"pydist FSDP unshard pool: units {[pg.label for pg in groups]} placed in slot {self.index} "
-                + ("before the end of the last unit placed" if self.taken else "which is not taken")
-                + "; this is a bug in pydist"
-            )
-        _C.point_storages_into(buffers or [pg.unsharded for pg in groups], self.memory, offsets)
-        users = self.users
-        for pg, offset in zip(groups, offsets):
-            users[id(pg)] = (pg, offset)
-            pg._slot = self
-        self.placed_end = offsets[-1] + groups[-1].unsharded_nbytes
-
-    def give_back(self, pg: FSDPParamGroup) -> None:
-        """``pg`` reshards: its storage holds nothing again; the slot is free
-        once no unit is left in it."""
-        _, offset = self.users.pop(id(pg))
-        expected = self.base + offset
-        actual = _C.point_storage_at_nothing(pg.unsharded)
-        pg._slot = None
-        if not self.users:
-            self.taken = False
-        if actual != expected:
-            raise RuntimeError(
-                f"pydist FSDP unit {pg.label!r}: its unsharded storage was re-pointed (at {actual:#x}, its place in "
-                f"unshard pool slot {self.index} is {expected:#x}) while unsharded; something outside pydist "
-                "resized or swapped the storage of an unsharded parameter"
-            )
-
-
-class UnshardPool:
-    """The memory a root's units unshard into: POOL_SLOTS ``PoolSlot``s.
-    See [Note: the unsharded buffer's memory]."""
-
-    def __init__(self, device: torch.device = torch.device("cpu"), num_slots: int = POOL_SLOTS):
-        self.slots = [PoolSlot(i, device) for i in range(num_slots)]
-
-    def take(self, nbytes: int) -> PoolSlot | None:
-        """A free slot of at least ``nbytes`` (one that already is, else a
-        free one grown), or None when every slot is taken."""
-        free = [slot for slot in self.slots if not slot.taken]
-        if not free:
-            return None
-        slot = next((s for s in free if s.nbytes >= nbytes), free[0])
-        slot.take(nbytes)
-        return slot
-
-    def release(self) -> None:
-        """Frees the memory of every slot no unit points into: the root calls
-        it when an iteration's unsharding is over (the end of backward; a
-        forward without grad), so the pool holds nothing between iterations."""
-        for slot in self.slots:
-            if not slot.taken:
-                slot.memory = None
-                slot.base = 0
-
-    @property
-    def nbytes(self) -> int:
-        """What the slots hold now."""
-        return sum(slot.nbytes for slot in self.slots)
-
-
-class ReduceLayout:
-    """Where the units of one reduce batch lie in its rank-major input (see
-    [Note: batched collectives]): each member's column in a row, and the
-    row's length. The root's reduce plan keeps it across iterations while
-    the batches it cuts stay the same (see _plan_backward in _fsdp_state.py),
-    with what finalize hands out in the common case."""
-
-    __slots__ = ("members", "columns", "row", "hand_out")
-
-    def __init__(self, members: list[FSDPParamGroup]):
-        self.members = members
-        self.columns: dict[int, int] = {}
-        row = 0
-        for pg in members:
-            self.columns[id(pg)] = row
-            row += pg.shard_numel
-        self.row = row
-        # (FSDPParamGroup.trainable_epoch, then the shards and offsets that
-        # _hand_out_grads gives them): when every member arrived and hands
-        # its trainable shards a .grad, while no unit's trainable list changed.
-        self.hand_out: tuple | None = None
-
-    def trainable_hand_out(self) -> tuple[list, list]:
-        """The shards and offsets when every member hands out its trainable shards."""
-        cached = self.hand_out
-        if cached is None or cached[0] != FSDPParamGroup.trainable_epoch:
-            params, offsets = [], []
-            for pg in self.members:
-                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
-            self.hand_out = cached = (FSDPParamGroup.trainable_epoch, params, offsets)
-        return cached[1], cached[2]
-
-
 # [Note: HSDP]
 # fully_shard over a 2-D ("replicate", "shard") mesh, FSDP1's HYBRID_SHARD
 # and _HYBRID_SHARD_ZERO2: a unit is sharded over the shard group (its
@@ -1526,141 +1327,3 @@ class ReplicaReduce:
         needed = time.monotonic_ns()
         completed = self.future.wait()
         return [self.scatter_record, ("all_reduce", Phase.BACKWARD.value, self.issued_ns, needed, completed)]
-
-
-class GradBatch:
-    """Units whose gradients are reduce-scattered as one collective in one
-    backward, laid out by a ``ReduceLayout`` the root's reduce plan chose
-    (see [Note: gather and reduce plans] in _fsdp_state.py). Its input is
-    rank-major, each member a column of every rank's row (see [Note:
-    batched collectives]); each member's ``post_backward`` packs its
-    gradients into its column; the last one to arrive launches the
-    collective. ``launch`` early (the root's final callback, for a batch
-    some member never reached) sends the collective as planned, zeros in
-    the columns of the members that did not arrive; a later one then goes
-    alone. ``finalize`` waits once and hands every arrived member's shards
-    their ``.grad``.
-
-    Its input is needed only until its collective is done: a batch whose
-    first member arrives takes the input of an earlier batch of the same
-    backward (``siblings``) whose collective is done, where one is large
-    enough, rather than new memory. So a backward holds about two inputs at
-    a time, not one per batch, and writes into memory the process already
-    has, where fresh memory (above glibc's mmap threshold, or given back to
-    the kernel at the end of the last iteration) costs a page fault per
-    page at its first write. On CPU only: a device collective is "done" on
-    the host while its stream may still read the input, and the caching
-    allocator already reuses device memory in stream order."""
-
-    def __init__(self, layout: ReduceLayout, siblings: list["GradBatch"]):
-        self.layout = layout
-        self.members = layout.members
-        self.columns = layout.columns
-        self.row = layout.row
-        self.siblings = siblings  # this backward's batches (this one among them once planned)
-        first = layout.members[0]
-        self.world_size = first.shard_world_size
-        transport = first.transport
-        self.copy_scale = collectives.copy_scale(transport)  # see [Note: where the 1/N goes]
-        self.transport_scale = collectives.transport_scale(transport)
-        self.input: torch.Tensor | None = None  # allocated at the first member's arrival
-        self.arrived: list[FSDPParamGroup] = []  # arrival order
-        self.launched = False
-        self.issued_ns = 0
-        self.future = None  # the collective, once launched
-        self.output: torch.Tensor | None = None
-        self.replica: ReplicaReduce | None = None  # HSDP: the all-reduce over the replicas, once started
-
-    def add(self, pg: FSDPParamGroup, grads: list) -> None:
-        pg.pack_grads(grads, self._input_for(pg), self.world_size, self.columns[id(pg)], self.copy_scale)
-        self._arrive(pg)
-
-    def add_params(self, pg: FSDPParamGroup) -> list[bool]:
-        """``add`` of the .grads on ``pg``'s unsharded parameters, which are
-        cleared; returns which parameters had one."""
-        had = pg.pack_param_grads(self.input if self.input is not None else self._input_for(pg), self.world_size,
-                                  self.columns[id(pg)], self.copy_scale)
-        arrived = self.arrived
-        arrived.append(pg)
-        if len(arrived) == len(self.members):
-            self.launch()
-        return had
-
-    def _input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
-        if self.input is None:
-            numel = self.world_size * self.row
-            for other in self.siblings if pg.device.type == "cpu" else ():
-                spare = other.input
-                if (other.launched and spare is not None and spare.numel() >= numel and spare.dtype == pg.reduce_dtype
-                        and other.future.done()):
-                    other.input = None  # its collective is done with it: see the class's docstring
-                    self.input = spare.narrow(0, 0, numel)
-                    return self.input
-            self.input = torch.empty(numel, dtype=pg.reduce_dtype, device=pg.device)
-        return self.input
-
-    def _arrive(self, pg: FSDPParamGroup) -> None:
-        self.arrived.append(pg)
-        if len(self.arrived) == len(self.members):
-            self.launch()
-
-    def launch(self) -> None:
-        if self.launched or not self.arrived:
-            return
-        self.launched = True
-        if len(self.arrived) < len(self.members):
-            rows = self.input.view(self.world_size, self.row)
-            arrived = {id(pg) for pg in self.arrived}
-            for pg in self.members:
-                if id(pg) not in arrived:
-                    column = self.columns[id(pg)]
-                    rows[:, column:column + pg.shard_numel].zero_()
-        transport = self.arrived[0].transport
-        self.output = torch.empty(self.row, dtype=self.input.dtype, device=self.input.device)
-        self.issued_ns = time.monotonic_ns()
-        self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
-
-    def reduce_replicas(self) -> None:
-        """HSDP: once the batch's reduce-scatter is done, starts the
-        all-reduce of its output over the replicas. See [Note: HSDP]."""
-        replicate = self.arrived[0].replicate_transport if self.arrived else None
-        if replicate is not None and self.future is not None and self.replica is None:
-            self.replica = ReplicaReduce(replicate, self.future, self.issued_ns, self.output,
-                                         [(pg, self.columns[id(pg)]) for pg in self.arrived])
-
-    def finalize(self, all_trainable: bool = False) -> None:
-        """Waits for the collective (and the replicas' all-reduce, HSDP);
-        records it for every arrived member and hands their shards their
-        ``.grad``. ``all_trainable``: every unit hands out its trainable
-        shards (no unit's ``_grads_for`` is set)."""
-        self.siblings = None  # the list holds this batch: leave no cycle for the garbage collector
-        if self.future is None:
-            return
-        self.reduce_replicas()
-        held = False
-        if self.replica is not None:
-            records, held = self.replica.wait(), self.replica.held
-        else:
-            needed = time.monotonic_ns()
-            records = [("reduce_scatter", Phase.BACKWARD.value, self.issued_ns, needed, self.future.wait())]
-        self.future = self.replica = None
-        arrived = self.arrived
-        if held:  # set_requires_all_reduce(False): the shards wait in the units' _partial, no .grad now
-            for pg in arrived:
-                pg._timings += records
-            self.input = self.output = None
-            return
-        for pg in arrived:
-            if pg.all_reduce_hook is not None:
-                pg.all_reduce_hook(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
-        # The arrived members' parts, each at its column, in one C++ call.
-        if len(arrived) == len(self.members) and (all_trainable or all(pg._grads_for is None for pg in arrived)):
-            _hand_out_grads(self.output, arrived[0], *self.layout.trainable_hand_out())
-        else:
-            params, offsets = [], []
-            for pg in arrived:
-                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
-            _hand_out_grads(self.output, arrived[0], params, offsets)
-        for pg in arrived:
-            pg._timings += records
-        self.input = self.output = None
