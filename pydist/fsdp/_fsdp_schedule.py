@@ -63,8 +63,8 @@ import torch
 
 from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, Phase, ReplicaReduce, ShardedState, TrainingState,
-                                           _hand_out_grads)
+from pydist.fsdp._fsdp_common import Phase, ShardedState, TrainingState
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ReplicaReduce, _hand_out_grads
 
 __all__ = ["Schedule", "GatherPlan", "UnitRun", "unshard_units", "UnshardPool", "PoolSlot", "POOL_SLOTS",
            "ReduceLayout", "GradBatch", "cut_reduce_layouts", "DEFAULT_BATCH_BYTES"]

@@ -58,7 +58,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup, Materializing, Phase, ShardedState, TrainingState
+from pydist.fsdp._fsdp_common import Materializing, Phase, ShardedState, TrainingState, state_of
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup
 from pydist.fsdp._fsdp_schedule import DEFAULT_BATCH_BYTES, Schedule
 
 __all__ = ["FSDPState", "state_of"]
@@ -115,10 +116,6 @@ def _wrapping_difference(wrappings: list, root_class: str) -> str:
 
 def _param_text(entry) -> str:
     return "absent" if entry is None else f"shape {tuple(entry[0])} {entry[1]}"
-
-
-def state_of(module: nn.Module) -> "FSDPState | None":
-    return module.__dict__.get("_pydist_fsdp_state")
 
 
 class FSDPState:

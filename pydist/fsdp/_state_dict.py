@@ -76,10 +76,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, as_dtensor
-from pydist.fsdp._fsdp_param_group import Materializing, ShardedState, TrainingState
-from pydist.fsdp._fsdp_state import state_of
+from pydist.fsdp._fsdp_common import Materializing, ShardedState, TrainingState, state_of
 from pydist.fsdp._utils import _root_state, _units
 
 __all__ = [

@@ -46,8 +46,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup, TrainingState, _register, registrations
-from pydist.fsdp._fsdp_state import state_of
+from pydist.fsdp._fsdp_common import TrainingState, state_of
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup, _register, registrations
 from pydist.fsdp._state_dict import gather_full_flat, gather_pieces
 
 __all__ = ["summon_full_params"]
