@@ -322,7 +322,7 @@ class FSDPParamGroup:
             None if sharded else [fp.unsharded_param for fp in self.fsdp_params])
         # The _C.GradPack of those gradients, once they exist (sharded units):
         # what a closed output gate packs in a run (see [Note: runs of units]
-        # in _fsdp_state.py).
+        # in _fsdp_schedule.py).
         self._grad_pack = None
         self._accumulating = False
         # The trainable parameters (_take_up_requires_grad); every
@@ -416,7 +416,7 @@ class FSDPParamGroup:
         # The run of units this unit's backward is handled with this
         # iteration (a _fsdp_state.UnitRun; None: alone), and the output hook
         # of the unit before it in the run, until its post-forward links
-        # them. See [Note: runs of units] in _fsdp_state.py.
+        # them. See [Note: runs of units] in _fsdp_schedule.py.
         self.run = None
         self._run_link = None
 
@@ -654,10 +654,14 @@ class FSDPParamGroup:
         may borrow one (see [Note: the unsharded buffer's memory])."""
         if self.sharded_state != ShardedState.SHARDED:
             return
+        if self.transport is None:
+            self._check_transport("unshard")
         slot = None
         if pooled and self.may_borrow(phase):
             slot = self.pool.take(self.unsharded_nbytes)
-        self._begin_unshard(phase, time.monotonic_ns(), slot, 0)
+            if slot is not None:
+                slot.place(self, 0)
+        self.begin_unshard((time.monotonic_ns(), phase.value), slot)
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
         self._unshard_future = self.gather(shard, self.unsharded)
 
@@ -670,15 +674,23 @@ class FSDPParamGroup:
             return self.reshard_after_forward and not self.is_root
         return phase.in_backward and self.reshard_after_backward
 
-    def _begin_unshard(self, phase: Phase, issued_ns: int, slot, offset: int) -> None:
-        if self.transport is None:
-            self._check_transport("unshard")
-        if slot is not None:
-            slot.place(self, offset)
-        else:
+    def begin_unshard(self, issue: tuple[int, str], slot=None, batched: bool = False) -> None:
+        """Its all-gather is about to be issued (``issue``: (issued_ns, the
+        Phase's value), for its record): the unsharded buffer gets memory,
+        ``slot``'s where a pool slot placed it (see [Note: the unsharded
+        buffer's memory]), else its own; ``batched``: as one of a batch
+        (``_fsdp_schedule.unshard_units``), which copies into its per-rank views."""
+        self._slot = slot
+        if slot is None:
             self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
-        self._unshard_issue = (issued_ns, phase.value)
+        self._unshard_issue = issue
         self.sharded_state = _UNSHARDING
+        if batched and self.rank_views is None:
+            self.rank_views = self.cut_views(self.unsharded)
+
+    def gathering(self, future) -> None:
+        """``future``: the all-gather just issued for it (and its batch)."""
+        self._unshard_future = future
 
     def _leave_pool(self) -> None:
         """Moves the unsharded buffer out of its pool slot into memory of its
@@ -688,6 +700,7 @@ class FSDPParamGroup:
         if slot is None:
             return
         values = self.unsharded.untyped_storage().clone()
+        self._slot = None
         slot.give_back(self)
         storage = self.unsharded.untyped_storage()
         storage.resize_(self.unsharded_nbytes)
@@ -716,15 +729,14 @@ class FSDPParamGroup:
             record = ("all_gather", phase, issued, time.monotonic_ns(), completed)
             for pg in mates:
                 if pg._unshard_future is future:
-                    pg._unshard_future = None
-                    pg._timings.append(record)
-                    regs = pg._unsharded_regs
-                    if regs is None:
-                        pg._register_unsharded()
-                    else:
-                        for params, tensors in regs:
-                            params.update(tensors)
-                        pg.sharded_state = _UNSHARDED
+                    pg._gathered(record)
+
+    def _gathered(self, record: tuple) -> None:
+        """The batch's all-gather (``record``) that another unit waited for is
+        done: the full parameters go on this unit's modules."""
+        self._unshard_future = None
+        self._timings.append(record)
+        self._register_unsharded()
 
     def _register_unsharded(self) -> None:
         """The all-gather is done: the full parameters go on the modules."""
@@ -761,6 +773,7 @@ class FSDPParamGroup:
             params.update(tensors)
         slot = self._slot
         if slot is not None:
+            self._slot = None
             slot.give_back(self)
         else:
             _C.point_storage_at_nothing(self.unsharded)
@@ -771,8 +784,11 @@ class FSDPParamGroup:
     # --- the iteration ---------------------------------------------------------
 
     def pre_forward(self) -> None:
-        self.training_state = TrainingState.FORWARD
-        self.wait_for_unshard(Phase.FORWARD)
+        """Its forward came (a plan that gathered it ahead is answered): FORWARD, unsharded."""
+        self.gathered_ahead = False
+        self.training_state = _FORWARD
+        if self.sharded_state is not _UNSHARDED:
+            self.wait_for_unshard(Phase.FORWARD)
 
     def post_forward(self, reshard: bool) -> None:
         if self.keep_for_backward:
@@ -791,7 +807,7 @@ class FSDPParamGroup:
 
     def pre_backward(self) -> bool:
         """Unshards for this unit's backward; False when it already did this backward."""
-        if self.training_state == TrainingState.POST_BACKWARD:
+        if self.training_state is _POST_BACKWARD:
             # Its gradients were packed and reduced already, so the backward
             # reaching it now would read resharded parameters, and its
             # gradients would miss this use.
@@ -801,10 +817,11 @@ class FSDPParamGroup:
                 "forwards summed into one loss), which is not supported: fully_shard a module that runs once per "
                 "backward (e.g. the parent of the reused one), or call backward after each forward"
             )
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        self.gathered_ahead = False  # its backward came
+        if self.training_state is _PRE_BACKWARD:
             return False
-        self.training_state = TrainingState.PRE_BACKWARD
-        if self.sharded_state is not ShardedState.UNSHARDED:
+        self.training_state = _PRE_BACKWARD
+        if self.sharded_state is not _UNSHARDED:
             self.wait_for_unshard(Phase.BACKWARD)
         return True
 
@@ -889,7 +906,7 @@ class FSDPParamGroup:
     def aimed_grad_pack(self):
         """At a run's start: this unit's _C.GradPack aimed at its column of
         its reduce batch, where its post-backward would take the common case
-        (the one C++ call); else None. See [Note: runs of units] in _fsdp_state.py."""
+        (the one C++ call); else None. See [Note: runs of units] in _fsdp_schedule.py."""
         batch = self.grad_batch
         pack = self._grad_pack
         if pack is None or batch is None or batch.launched or not self.requires_gradient_sync or self._accumulating:
@@ -1083,6 +1100,75 @@ class FSDPParamGroup:
             params.append(fp.sharded_param)
             offsets.append(base + fp._grad_offset)
 
+    # --- what the root and its schedule tell the unit ---------------------------
+
+    def join_root(self, label: str, enclosing: FSDPParamGroup | None, transport, replicate_transport, pool,
+                  is_root: bool) -> None:
+        """The root's lazy init: the unit's place under the root (``label``),
+        the nearest unit around it, the transports and the unshard pool every
+        unit of the root shares, and whether it is the root's own unit."""
+        self.label = label
+        self.enclosing = enclosing
+        self.transport = transport
+        self.replicate_transport = replicate_transport if self.sharded else None
+        self.pool = pool
+        self.is_root = is_root
+
+    def begin_iteration(self) -> None:
+        """The root's pre-forward: this iteration's records start empty, and
+        what a backward that failed before its final callback left is dropped."""
+        self._timings = []
+        self.had_grad = None
+
+    def record(self, records: list) -> None:
+        """Collectives of a batch it was reduced in: their records."""
+        self._timings += records
+
+    def mark_gathered_ahead(self, keep_for_backward: bool = False) -> None:
+        """The root's plan gathered it ahead of its use (see [Note: gather and
+        reduce plans] in _fsdp_schedule.py); ``keep_for_backward``: in the
+        forward's last batch, kept unsharded for the backward after its forward."""
+        self.gathered_ahead = True
+        if keep_for_backward:
+            self.keep_for_backward = True
+
+    def join_grad_batch(self, batch) -> None:
+        """The root's reduce plan for this backward: the GradBatch its
+        gradients go in (None: alone)."""
+        self.grad_batch = batch
+
+    def take_grads_everywhere(self) -> bool:
+        """The root found that every parameter of every unit had a gradient
+        on some rank: ``take_grads_anywhere``'s common case. Returns whether
+        the unit hands out exactly its trainable shards."""
+        self.had_grad = None
+        self._grads_for = None if self._all_trainable else self.fsdp_params
+        return self._all_trainable
+
+    def fold_partial(self, piece: torch.Tensor, held: bool) -> None:
+        """HSDP: ``piece`` is its reduce-scattered shard of this backward;
+        ``held`` (set_requires_all_reduce(False)): summed into ``_partial``
+        rather than all-reduced; else what is held is added to it first, as
+        torch orders the additions. See [Note: HSDP]."""
+        if held:
+            self._partial = piece.clone() if self._partial is None else self._partial.add_(piece)
+        elif self._partial is not None:
+            piece.add_(self._partial)
+            self._partial = None
+
+    def begin_summon(self) -> None:
+        """summon_full_params put its full parameters on the modules (see
+        [Note: summoning full parameters] in _unshard_params.py)."""
+        self.training_state = TrainingState.SUMMONED
+
+    def end_summon(self) -> None:
+        self.training_state = _IDLE
+
+    def forget_built_values(self) -> None:
+        """A state dict loaded into it replaces what was built: see [Note:
+        every rank builds the same model] in _fsdp_state.py."""
+        self.built_digests = None
+
     # --- helpers -------------------------------------------------------------
 
     @property
@@ -1254,12 +1340,7 @@ class ReplicaReduce:
         # all-reducing backward adds the held sum to its own shard.
         self.held = wanted == {False}
         for pg, start in members:
-            piece = output.narrow(0, start, pg.shard_numel)
-            if self.held:
-                pg._partial = piece.clone() if pg._partial is None else pg._partial.add_(piece)
-            elif pg._partial is not None:
-                piece.add_(pg._partial)
-                pg._partial = None
+            pg.fold_partial(output.narrow(0, start, pg.shard_numel), self.held)
         self.issued_ns = time.monotonic_ns()
         self.future = None if self.held else replicate.all_reduce(output, 1.0 / replicate.world_size)
 

@@ -70,8 +70,8 @@ __all__ = ["Schedule", "GatherPlan", "UnitRun", "unshard_units", "UnshardPool", 
            "ReduceLayout", "GradBatch", "cut_reduce_layouts", "DEFAULT_BATCH_BYTES"]
 
 # The states the hot paths test by identity.
-_IDLE, _PRE_BACKWARD = TrainingState.IDLE, TrainingState.PRE_BACKWARD
-_SHARDED, _UNSHARDING, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDING, ShardedState.UNSHARDED
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_SHARDED, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDED
 
 # Unsharded bytes of parameters (and of gradients) a root gathers (reduces)
 # as one collective. Larger batches mean fewer collectives, and a collective
@@ -107,9 +107,12 @@ class Schedule:
         # stays the same (see plan_backward).
         self._reduce_layouts: tuple | None = None
 
-    def plan_forward(self, order: list, batch_bytes: int) -> None:
+    def plan_forward(self, order: list, batch_bytes: int, units: list[FSDPParamGroup]) -> None:
         """Root pre-forward: ``order`` (last iteration's forward order, [] on
-        the first) becomes this forward's gather plan."""
+        the first) becomes this forward's gather plan; no unit of ``units``
+        is in a run yet (see [Note: runs of units])."""
+        for pg in units:
+            pg.run = None
         if self.forward_plan is not None:
             self.forward_plan.reshard_kept()  # no backward came for them
         self.forward_plan = GatherPlan(order, batch_bytes, Phase.FORWARD, self.forward_plan) if order else None
@@ -129,28 +132,29 @@ class Schedule:
             batch.abandon()
         self.backward_plan = None
 
-    def extend_run(self, hook, state) -> UnitRun | None:
-        """At ``state``'s fast pre-forward (an FSDPState): its unit took the one output
-        ``hook`` hooks, of the unit before it. Returns the run it continues
-        (or starts with that unit), or None. See [Note: runs of units]."""
+    def extend_run(self, hook, state) -> None:
+        """At ``state``'s pre-forward (an FSDPState whose unit may be in a
+        run): its unit took the one output ``hook`` hooks, of the unit before
+        it. The unit joins the run that unit is last in (or starts with it),
+        where the run may go on. See [Note: runs of units]."""
         prev = hook.state
         plan = self.forward_plan
         if not prev.run_ok or plan is None or plan.batches is None:
-            return None
+            return
         batch_of_state = plan.batch_of_state
         batch = batch_of_state.get(id(state))
         if batch is None or batch != batch_of_state.get(id(prev)):
-            return None  # a run lies in one gather batch
+            return  # a run lies in one gather batch
         run = prev.param_group.run
         if run is None:
             if not prev.signalled:
-                return None  # its post-backward comes from the final callback: no run starts with it
+                return  # its post-backward comes from the final callback: no run starts with it
             run = prev.param_group.run = UnitRun(prev)
         elif run.members[-1] is not prev:
-            return None
+            return
         run.members.append(state)
+        state.param_group.run = run
         state.param_group._run_link = hook
-        return run
 
     def plan_backward(self, forward_order: list, batch_bytes: int, late: set[int]) -> None:
         """Root, at the first backward hook: the backward gather plan (from
@@ -180,11 +184,11 @@ class Schedule:
             self._reduce_layouts = cached = key + (cut_reduce_layouts(plan.states, reduces, batch_bytes),)
         batches = self.grad_batches = []
         for state in plan.states:
-            state.param_group.grad_batch = None
+            state.param_group.join_grad_batch(None)
         for layout in cached[-1]:
             batch = GradBatch(layout, batches)
             for member in layout.members:
-                member.grad_batch = batch
+                member.join_grad_batch(batch)
             batches.append(batch)
 
 
@@ -366,7 +370,7 @@ class GatherPlan:
         if all(pg.enclosing is None or id(pg.enclosing) in ids for pg in groups):
             self.kept = [pg for pg in groups if pg.reshard_after_forward and not pg.is_root]
             for pg in self.kept:
-                pg.keep_for_backward = True
+                pg.mark_gathered_ahead(keep_for_backward=True)
 
     def _cut(self, start: int) -> tuple[list[int], int]:
         """(the SHARDED units from ``start`` on, up to batch_bytes, that batch
@@ -397,7 +401,7 @@ class GatherPlan:
         if not groups:
             return
         for pg in groups:
-            pg.gathered_ahead = True
+            pg.mark_gathered_ahead()
         self.heads.add(id(groups[0]))
         unshard_units(groups, phase)
 
@@ -481,11 +485,8 @@ class UnitRun:
         plan = members[-1].root.schedule.backward_plan
         for state in members[-2::-1]:
             pg = state.param_group
-            # _pre_backward's common case inline (a run's units have no
-            # prefetch targets): one Python call fewer per unit of the run.
-            if pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and id(pg) not in plan.heads:
-                pg.gathered_ahead = False
-                pg.training_state = _PRE_BACKWARD
+            if pg.sharded_state is _UNSHARDED and id(pg) not in plan.heads:
+                pg.pre_backward()  # all that _pre_backward does for it (a run's units have no prefetch targets)
             else:
                 state._pre_backward()
         for gate, hook in closes:
@@ -535,13 +536,9 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: Phase) -> None:
         slot.place_all(borrowers, offsets,
                        cached[2] if cached is not None and len(borrowers) == len(groups) else None)
     issue = (time.monotonic_ns(), phase.value)
+    placed = {id(g) for g in borrowers} if slot is not None else ()
     for g in groups:
-        if g._slot is None:
-            g.unsharded.untyped_storage().resize_(g.unsharded_nbytes)
-        g._unshard_issue = issue
-        g.sharded_state = _UNSHARDING
-        if g.rank_views is None:
-            g.rank_views = g.cut_views(g.unsharded)
+        g.begin_unshard(issue, slot if id(g) in placed else None, batched=True)
     # The same units gather as one batch every iteration: their tensors'
     # lists are made once (the shards, buffers and views are the units' for good).
     if cached is None:
@@ -551,7 +548,7 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: Phase) -> None:
     future = collectives.all_gather_units(first.transport, cached[1], cached[2], cached[3], first.compute_dtype)
     future.members = groups  # the first wait unshards them all: see _wait_all_gather
     for g in groups:
-        g._unshard_future = future
+        g.gathering(future)
 
 
 # The unshard pool's slots: prefetch depth + 1 (the batch computing and the
@@ -611,7 +608,6 @@ class PoolSlot:
         _C.point_storage_into(pg.unsharded, self.memory, offset)
         self.placed_end = end
         self.users[id(pg)] = (pg, offset)
-        pg._slot = self
 
     def place_all(self, groups: list[FSDPParamGroup], offsets: list[int], buffers=None) -> None:
         """``place`` of each of ``groups`` at its offset (ascending), in one
@@ -626,7 +622,6 @@ class PoolSlot:
         users = self.users
         for pg, offset in zip(groups, offsets):
             users[id(pg)] = (pg, offset)
-            pg._slot = self
         self.placed_end = offsets[-1] + groups[-1].unsharded_nbytes
 
     def give_back(self, pg: FSDPParamGroup) -> None:
@@ -635,7 +630,6 @@ class PoolSlot:
         _, offset = self.users.pop(id(pg))
         expected = self.base + offset
         actual = _C.point_storage_at_nothing(pg.unsharded)
-        pg._slot = None
         if not self.users:
             self.taken = False
         if actual != expected:
@@ -838,7 +832,7 @@ class GradBatch:
         arrived = self.arrived
         if held:  # set_requires_all_reduce(False): the shards wait in the units' _partial, no .grad now
             for pg in arrived:
-                pg._timings += records
+                pg.record(records)
             self.input = self.output = None
             return
         for pg in arrived:
@@ -853,5 +847,5 @@ class GradBatch:
                 pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
             _hand_out_grads(self.output, arrived[0], params, offsets)
         for pg in arrived:
-            pg._timings += records
+            pg.record(records)
         self.input = self.output = None

@@ -70,7 +70,7 @@ _requires_grad_of = operator.attrgetter("requires_grad")
 # The states the hooks' fast paths test by identity.
 _IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 _PRE_BACKWARD, _POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
-_SHARDED, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDED
+_SHARDED = ShardedState.SHARDED
 
 
 def _wrapping_difference(wrappings: list, root_class: str) -> str:
@@ -232,15 +232,15 @@ class FSDPState:
         self._unit_names = [name for name, _ in named]  # each state's place under the root: see _check_wrapped_alike
         self._state_index = {id(s): i for i, s in enumerate(self.all_states)}  # what check_forward_order sends
         units = {name: s.param_group for name, s in named if s.param_group is not None and s is not self}
+        # Per unit, the nearest unit around it, the root's aside: it computes around it.
+        enclosing = {}
         for name, state in named:
             state.root = self
-            if state.param_group is not None:
-                state.param_group.label = name  # records and errors name units by their place
-                # The nearest unit around this one, the root's aside: it computes around it.
+            if state.param_group is not None and state is not self:
                 parts = name.split(".")
-                state.param_group.enclosing = next(
+                enclosing[id(state)] = next(
                     (pg for i in range(len(parts) - 1, 0, -1) if (pg := units.get(".".join(parts[:i]))) is not None),
-                    None) if state is not self else None
+                    None)
         # One tensor of each dtype the units communicate in, so that a dtype
         # the shared-memory transport does not carry falls back to the group.
         devices = {s.param_group.device for s in self.all_states if s.param_group is not None}
@@ -265,12 +265,9 @@ class FSDPState:
                 collectives.open_transport(self.replicate_group, samples, self.shm))
         self.schedule = Schedule(self.device)
         pool = self.schedule.pool  # see [Note: the unsharded buffer's memory]
-        for state in self.all_states:
-            if state.param_group is not None:
-                state.param_group.transport = transport
-                state.param_group.replicate_transport = replicate if state.param_group.sharded else None
-                state.param_group.pool = pool
-                state.param_group.is_root = state is self
+        for name, state in named:
+            if state.param_group is not None:  # records and errors name units by their place
+                state.param_group.join_root(name, enclosing.get(id(state)), transport, replicate, pool, state is self)
         self.transport = transport
         self.replicate_transport = replicate
         self._built_checked = False  # see [Note: every rank builds the same model]
@@ -453,7 +450,7 @@ class FSDPState:
         self.iteration += 1
         if self.subscribers:
             self.forward_start_ns, self.backward_start_ns = time.monotonic_ns(), -1
-        self.schedule.plan_forward(self.forward_order, self.batch_bytes)
+        self.schedule.plan_forward(self.forward_order, self.batch_bytes, self._units)
         self.forward_order = []
         self.final_callback_queued = False
         self.backward_end_ns = -1
@@ -466,9 +463,7 @@ class FSDPState:
             if changed or (pg.sharded_state is not _SHARDED and pg.sharded):
                 pg.sync_requires_grad()
                 synced = True
-            pg._timings = []  # this iteration's records
-            pg.had_grad = None  # a backward that failed before its final callback
-            pg.run = None  # see [Note: runs of units]
+            pg.begin_iteration()
             state.plain = plain = not never_plain and not state.forward_prefetch
             state.run_ok = plain and pg.sharded and state.backward_prefetch is None
         if synced:
@@ -506,11 +501,7 @@ class FSDPState:
         for batch in batches:
             batch.finalize(all_trainable)  # one wait per batch; its members' shards get their .grad
         for pg in self._units:
-            if pg._reduce is None and pg.sharded_state is _SHARDED:
-                pg.grad_batch = None  # finalize_backward's common case: reduced in a batch, resharded
-                pg.training_state = _IDLE
-            else:
-                pg.finalize_backward()
+            pg.finalize_backward()
         self.schedule.pool.release()  # see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
         if self.subscribers and self.forward_start_ns >= 0:
@@ -536,12 +527,7 @@ class FSDPState:
         if all(counts):  # every parameter had a gradient on some rank: the common case, in one pass
             all_trainable = True
             for pg in units:
-                pg.had_grad = None
-                if pg._all_trainable:
-                    pg._grads_for = None
-                else:
-                    pg._grads_for = pg.fsdp_params
-                    all_trainable = False
+                all_trainable &= pg.take_grads_everywhere()
             return all_trainable
         start = 0
         for pg in units:
@@ -671,39 +657,21 @@ class FSDPState:
     # decides these once per forward for every state (``plain``); a plain
     # unit's pre-forward, in the common case (IDLE, grad enabled, its first
     # run this iteration), and its post-forward after such a pre-forward,
-    # do exactly what the general path does for it, in the same order,
-    # without the rest. Anything else (a recompute under activation
+    # skip those checks and go straight to what every unit's hook does
+    # (_unit_pre_forward, FSDPParamGroup.post_forward): one path, not a
+    # second copy of it. Anything else (a recompute under activation
     # checkpointing: PRE_BACKWARD; a second run, which the general path
-    # refuses; no_grad) takes the general path. A plan's need() is called
-    # only where it has something to do: see GatherPlan.need.
+    # refuses; no_grad) takes the checks. A plan's need() is called only
+    # where it has something to do: see GatherPlan.need. The backward
+    # hooks have no such branch: a unit's pre-backward is
+    # FSDPParamGroup.pre_backward behind a few tests (_pre_backward).
 
     def _pre_forward(self, module, args, kwargs):
-        if self.plain:
-            root = self.root
-            pg = self.param_group
-            if pg.training_state is _IDLE and self.forward_iteration != root.iteration and torch.is_grad_enabled():
-                # See [Note: the hooks' fast path]: what the general path
-                # below does for a unit in this case, in the same order.
-                self.forward_iteration = root.iteration
-                plan = root.schedule.forward_plan
-                if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
-                    plan.need(self)
-                pg.gathered_ahead = False
-                pg.training_state = _FORWARD
-                if pg.sharded_state is not _UNSHARDED:
-                    if pg.sharded_state is _SHARDED:  # no plan gathered it
-                        root.check_forward_order(self)
-                    pg.wait_for_unshard(Phase.FORWARD)
-                root.forward_order.append(self)
-                if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
-                    hook = root._last_hook  # see _join_or_register_post_backward
-                    if not hook.fired:
-                        hook.join(pg)
-                        self.signalled = True
-                        pg.run = root.schedule.extend_run(hook, self) if self.run_ok else None
-                        return None  # args and kwargs as they are
-                pg.run = None
-                return self._register_post_backward(args, kwargs)
+        if (self.plain and self.param_group.training_state is _IDLE and self.forward_iteration != self.root.iteration
+                and torch.is_grad_enabled()):
+            # See [Note: the hooks' fast path]: none of the checks below applies.
+            self.forward_iteration = self.root.iteration
+            return self._unit_pre_forward(args, kwargs)
         if self.root is None:
             self._lazy_init()
         root = self.root
@@ -746,10 +714,17 @@ class FSDPState:
             )
         if torch.is_grad_enabled():
             self.forward_iteration = root.iteration
+        return self._unit_pre_forward(args, kwargs)
+
+    def _unit_pre_forward(self, args, kwargs):
+        """What every pre-forward of a unit does once the checks have passed:
+        its parameters (gathered by the root's plan, or alone), its place in
+        the forward order, its prefetch targets, its post-backward point."""
+        root = self.root
+        pg = self.param_group
         plan = root.schedule.forward_plan
-        if plan is not None:
-            plan.need(self)
-        pg.gathered_ahead = False  # its forward came
+        if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
+            plan.need(self)  # (nothing to do for a unit gathered with its batch that heads none: see need)
         if pg.sharded_state is _SHARDED:  # no plan gathered it
             root.check_forward_order(self)
         pg.pre_forward()
@@ -781,18 +756,15 @@ class FSDPState:
             if not hook.fired:
                 hook.join(self.param_group)
                 self.signalled = True
+                if self.run_ok:
+                    root.schedule.extend_run(hook, self)
                 return args, kwargs
         return self._register_post_backward(args, kwargs)
 
     def _post_forward(self, module, args, output):
         pg = self.param_group
         if self.plain and pg.training_state is _FORWARD:
-            # See [Note: the hooks' fast path]: a unit, no casts; post_forward's common case first.
-            if pg.reshard_after_forward and not pg.keep_for_backward:
-                pg.reshard()
-                pg.training_state = _IDLE
-            else:
-                pg.post_forward(pg.reshard_after_forward)
+            pg.post_forward(pg.reshard_after_forward)  # see [Note: the hooks' fast path]: none of the checks below applies
         else:
             if self._recomputing:
                 self._recomputing = False
@@ -859,19 +831,11 @@ class FSDPState:
         pg = self.param_group
         if pg is None or pg.training_state is _PRE_BACKWARD:
             return
-        plan = root.schedule.backward_plan
-        if (pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
-                and self.backward_prefetch is None and id(pg) not in plan.heads):
-            # The common case (a unit its batch's gather unsharded, heading no
-            # batch, no prefetch targets): what the rest does then, without its calls.
-            pg.gathered_ahead = False
-            pg.training_state = _PRE_BACKWARD
-            return
         if pg.training_state is _POST_BACKWARD:
             pg.pre_backward()  # raises: backward reached the unit again after its gradients were reduced
+        plan = root.schedule.backward_plan
         if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
             plan.need(self)  # (nothing to do for a unit gathered with its batch that does not head one)
-        pg.gathered_ahead = False
         if pg.pre_backward() and self.backward_prefetch is not None:
             for target in self.backward_prefetch:
                 tpg = target.param_group

@@ -490,7 +490,7 @@ class _UnitStateDictHooks:
         pg = self._param_group()  # (lays out a unit built on meta, digesting what to_empty left)
         unit = state_of(module).param_group
         if unit is not None:  # loaded values replace the built ones: see [Note: every rank builds the same model]
-            unit.built_digests = None
+            unit.forget_built_values()
         if pg is None:
             return
         if pg.sharded_state != ShardedState.SHARDED:
