@@ -48,7 +48,7 @@ and all-gathers into it, so backward reads the re-gathered values through
 the saved views (the version counters are left alone: see
 ``all_gather_unit``).
 
-The memory comes from the root's pool (``UnshardPool``): POOL_SLOTS = 2
+The memory comes from the root's pool (``UnshardPool``, _fsdp_schedule.py): POOL_SLOTS = 2
 slots, prefetch depth + 1 (the batch being computed and the one the root's
 plan gathers ahead; see [Note: gather and reduce plans] in _fsdp_schedule.py).
 A slot is one allocation that grows within an iteration (to the largest
@@ -105,7 +105,7 @@ device's:
     group's: a batched all-gather copies its output out on the waiting
     thread after the group's wait (csrc/transport/transport.cpp,
     ``Transport::all_gather_many``), and a reduce batch never reuses an
-    earlier batch's device input (``GradBatch._input_for``).
+    earlier batch's device input (``GradBatch.input_for``).
 Communication overlaps compute where the group runs it on its own stream
 (NCCL); the packing copies and casts run on the compute stream. Packing a
 unit's gradients is one ATen op per cut on the device (``pack_rank_major``
@@ -414,7 +414,7 @@ class FSDPParamGroup:
         # their shards, their buffers, the buffers' per-rank views rank-major).
         self._gather_lists: tuple | None = None
         # The run of units this unit's backward is handled with this
-        # iteration (a _fsdp_state.UnitRun; None: alone), and the output hook
+        # iteration (a _fsdp_schedule.UnitRun; None: alone), and the output hook
         # of the unit before it in the run, until its post-forward links
         # them. See [Note: runs of units] in _fsdp_schedule.py.
         self.run = None
@@ -911,7 +911,7 @@ class FSDPParamGroup:
         pack = self._grad_pack
         if pack is None or batch is None or batch.launched or not self.requires_gradient_sync or self._accumulating:
             return None
-        pack.aim(batch._input_for(self), batch.world_size, batch.columns[id(self)], batch.copy_scale)
+        pack.aim(batch.input_for(self), batch.world_size, batch.columns[id(self)], batch.copy_scale)
         return pack
 
     def finish_packed(self) -> bool:
@@ -927,7 +927,7 @@ class FSDPParamGroup:
         self.training_state = _POST_BACKWARD
         batch, self.grad_batch = self.grad_batch, None
         self.had_grad = pack.take_had()
-        batch._arrive(self)
+        batch.arrive(self)
         self._reshard_after_backward()
         return True
 
@@ -940,19 +940,12 @@ class FSDPParamGroup:
     def _grads_to_reduce(self) -> list:
         """Per parameter, the gradient to reduce, in reduce_dtype and
         contiguous, or None (no gradient this backward: zeros)."""
-        if self._all_trainable:  # the common case: every gradient there, as it is
-            grads = [fp.grad_to_reduce() for fp in self.fsdp_params]
-            dtype = self.reduce_dtype
-            for g in grads:
-                if g is None or g.dtype != dtype or not g.is_contiguous():
-                    break
-            else:
-                return grads
+        dtype = self.reduce_dtype
         grads = []
         for fp in self.fsdp_params:
             grad = fp.grad_to_reduce()
-            if grad is not None:
-                grad = grad.to(self.reduce_dtype).contiguous()  # no copy when it already is
+            if grad is not None and (grad.dtype != dtype or not grad.is_contiguous()):
+                grad = grad.to(dtype).contiguous()
             grads.append(grad)
         return grads
 

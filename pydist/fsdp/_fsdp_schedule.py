@@ -749,21 +749,20 @@ class GradBatch:
         self.replica: ReplicaReduce | None = None  # HSDP: the all-reduce over the replicas, once started
 
     def add(self, pg: FSDPParamGroup, grads: list) -> None:
-        pg.pack_grads(grads, self._input_for(pg), self.world_size, self.columns[id(pg)], self.copy_scale)
-        self._arrive(pg)
+        pg.pack_grads(grads, self.input_for(pg), self.world_size, self.columns[id(pg)], self.copy_scale)
+        self.arrive(pg)
 
     def add_params(self, pg: FSDPParamGroup) -> list[bool]:
         """``add`` of the .grads on ``pg``'s unsharded parameters, which are
         cleared; returns which parameters had one."""
-        had = pg.pack_param_grads(self.input if self.input is not None else self._input_for(pg), self.world_size,
+        had = pg.pack_param_grads(self.input if self.input is not None else self.input_for(pg), self.world_size,
                                   self.columns[id(pg)], self.copy_scale)
-        arrived = self.arrived
-        arrived.append(pg)
-        if len(arrived) == len(self.members):
-            self.launch()
+        self.arrive(pg)
         return had
 
-    def _input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
+    def input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
+        """The batch's rank-major input, allocated (or taken from a done
+        sibling: see the class's docstring) at the first member's packing."""
         if self.input is None:
             numel = self.world_size * self.row
             for other in self.siblings if pg.device.type == "cpu" else ():
@@ -776,7 +775,8 @@ class GradBatch:
             self.input = torch.empty(numel, dtype=pg.reduce_dtype, device=pg.device)
         return self.input
 
-    def _arrive(self, pg: FSDPParamGroup) -> None:
+    def arrive(self, pg: FSDPParamGroup) -> None:
+        """``pg`` packed its gradients into its column; the last member's arrival launches the batch."""
         self.arrived.append(pg)
         if len(self.arrived) == len(self.members):
             self.launch()
