@@ -414,9 +414,11 @@ class FSDPParamGroup:
         # their shards, their buffers, the buffers' per-rank views rank-major).
         self._gather_lists: tuple | None = None
         # The run of units this unit's backward is handled with this
-        # iteration (a _fsdp_schedule.UnitRun; None: alone), and the output hook
-        # of the unit before it in the run, until its post-forward links
-        # them. See [Note: runs of units] in _fsdp_schedule.py.
+        # iteration (a _fsdp_schedule.UnitRun; None: alone), and the output
+        # hook of the unit before it in the run, until its post-forward links
+        # them. The schedule's state, kept here for the hooks to read: only
+        # _fsdp_schedule.py writes them (Schedule.plan_forward / extend_run,
+        # UnitRun). See [Note: runs of units] in _fsdp_schedule.py.
         self.run = None
         self._run_link = None
 
