@@ -661,10 +661,13 @@ class FSDPState:
     # (_unit_pre_forward, FSDPParamGroup.post_forward): one path, not a
     # second copy of it. Anything else (a recompute under activation
     # checkpointing: PRE_BACKWARD; a second run, which the general path
-    # refuses; no_grad) takes the checks. A plan's need() is called only
-    # where it has something to do: see GatherPlan.need. The backward
-    # hooks have no such branch: a unit's pre-backward is
-    # FSDPParamGroup.pre_backward behind a few tests (_pre_backward).
+    # refuses; no_grad) takes the checks. (The copy this replaced skipped
+    # GatherPlan.need for a unit already unsharded; the root, never plain,
+    # did not, and the batches went out in another order under
+    # set_reshard_after_backward(False): every unit now calls need, as the
+    # root does.) The backward hooks have no such branch: a unit's
+    # pre-backward is FSDPParamGroup.pre_backward behind a few tests
+    # (_pre_backward).
 
     def _pre_forward(self, module, args, kwargs):
         if (self.plain and self.param_group.training_state is _IDLE and self.forward_iteration != self.root.iteration
@@ -723,8 +726,8 @@ class FSDPState:
         root = self.root
         pg = self.param_group
         plan = root.schedule.forward_plan
-        if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
-            plan.need(self)  # (nothing to do for a unit gathered with its batch that heads none: see need)
+        if plan is not None:
+            plan.need(self)  # issues the plan's batches in order, up to this unit's (see GatherPlan.need)
         if pg.sharded_state is _SHARDED:  # no plan gathered it
             root.check_forward_order(self)
         pg.pre_forward()
