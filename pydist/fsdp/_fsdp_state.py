@@ -661,13 +661,12 @@ class FSDPState:
     # (_unit_pre_forward, FSDPParamGroup.post_forward): one path, not a
     # second copy of it. Anything else (a recompute under activation
     # checkpointing: PRE_BACKWARD; a second run, which the general path
-    # refuses; no_grad) takes the checks. (The copy this replaced skipped
-    # GatherPlan.need for a unit already unsharded; the root, never plain,
-    # did not, and the batches went out in another order under
-    # set_reshard_after_backward(False): every unit now calls need, as the
-    # root does.) The backward hooks have no such branch: a unit's
-    # pre-backward is FSDPParamGroup.pre_backward behind a few tests
-    # (_pre_backward).
+    # refuses; no_grad) takes the checks. Every unit calls GatherPlan.need,
+    # unsharded already or not, so the plan's batches go out in order and
+    # its last one before its units' post-forwards, which leave it kept for
+    # backward (under set_reshard_after_backward(False) too). The backward
+    # hooks have no such branch: a unit's pre-backward is
+    # FSDPParamGroup.pre_backward behind a few tests (_pre_backward).
 
     def _pre_forward(self, module, args, kwargs):
         if (self.plain and self.param_group.training_state is _IDLE and self.forward_iteration != self.root.iteration
