@@ -26,6 +26,12 @@ within a run mean anything on these machines):
     pydist_pg   the same with shm=False: collectives on the gloo group
     torch_ddp   torch.nn.parallel.DistributedDataParallel (every rank keeps everything)
     pydist_ddp  pydist.DistributedDataParallel
+    torch_hsdp  torch's fully_shard on a 2 x N/2 ("replicate", "shard") mesh (HSDP)
+    pydist_hsdp pydist.fully_shard on the same mesh
+
+The HSDP modes run only when named (``--modes torch_hsdp,pydist_hsdp``, or
+``--hsdp`` to add both to the default six); their "paired" is against
+torch_hsdp.
 
 "paired" is the median over rounds of a mode's step / torch FSDP2's within a
 round, "vs fsdp1" the same against torch FSDP1's, and the line under each
@@ -101,6 +107,7 @@ MODELS = {
 }
 DEFAULT_MODELS = "linear,transformer"
 MODES = ("torch", "torch_fsdp1", "pydist", "pydist_pg", "torch_ddp", "pydist_ddp")
+HSDP_MODES = ("torch_hsdp", "pydist_hsdp")
 
 
 def _blocks(model: nn.Module) -> list:
@@ -125,14 +132,17 @@ def _build(mode: str, model_key: str, world_size: int):
         ddp = torch.nn.parallel.DistributedDataParallel if mode == "torch_ddp" else pydist.DistributedDataParallel
         model = ddp(model)
         return model, torch.optim.Adam(model.parameters(), lr=1e-4)
-    if mode == "torch":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
 
-        kwargs = {"mesh": init_device_mesh("cpu", (world_size,))}
+    if mode.startswith("torch"):
+        from torch.distributed.fsdp import fully_shard
     else:
         from pydist import fully_shard
-
+    if mode.endswith("_hsdp"):
+        kwargs = {"mesh": init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))}
+    elif mode == "torch":
+        kwargs = {"mesh": init_device_mesh("cpu", (world_size,))}
+    else:
         kwargs = {"shm": mode == "pydist"}
     for block in _blocks(model):
         fully_shard(block, **kwargs)
@@ -202,20 +212,21 @@ def _time_rank(rank, world_size, model_key, rounds, steps, modes):
     memory = {}
     for mode, (model, opt) in built.items():
         nbytes = _persistent(model, opt)
-        if mode in ("pydist", "pydist_pg"):  # and the unshard pool, memory it keeps between steps
+        if mode in ("pydist", "pydist_pg", "pydist_hsdp"):  # and the unshard pool, memory it keeps between steps
             from pydist.fsdp import persistent_bytes
 
             nbytes += persistent_bytes(model).pools
         if mode.endswith("_ddp"):
             local_numel = psi / world_size  # replicated: no padding, and no sharding
-        elif mode == "torch":  # DTensor local shards are padded per parameter on dim 0
+        elif mode in ("torch", "torch_hsdp"):  # DTensor local shards are padded per parameter on dim 0
             local_numel = sum(_local(p).untyped_storage().nbytes() // 4 for p in model.parameters())
         elif mode == "torch_fsdp1":
             local_numel = _fsdp1_local_numel(model)
         else:
             local_numel = sum(u.shard_numel for m in model.modules()
                               if (s := m.__dict__.get("_pydist_fsdp_state")) and (u := s.param_group))
-        memory[mode] = {"persistent_bytes": nbytes, "padding_elems": local_numel - psi / world_size}
+        shard_ranks = world_size // 2 if mode.endswith("_hsdp") else world_size  # HSDP shards over half
+        memory[mode] = {"persistent_bytes": nbytes, "padding_elems": local_numel - psi / shard_ranks}
     from pydist.fsdp import last_iteration_record
 
     exposed = last_iteration_record(built["pydist"][0]).exposed_ns() / 1e6 if "pydist" in built else float("nan")
@@ -247,7 +258,7 @@ def run(model_key: str, world_size: int, rounds: int, steps: int, modes: tuple =
         return statistics.median(p / t for p, t in zip(slower[m], slower[base])) if base in slower else None
 
     for m in modes:
-        out[f"{m}_paired"] = paired(m, "torch")
+        out[f"{m}_paired"] = paired(m, "torch_hsdp" if m == "pydist_hsdp" else "torch")
         out[f"{m}_paired_fsdp1"] = paired(m, "torch_fsdp1")
         if m in ("pydist", "pydist_pg"):  # issue #14's second step-time target
             out[f"{m}_paired_pydist_ddp"] = paired(m, "pydist_ddp")
@@ -264,9 +275,10 @@ def _model_keys(text: str) -> list:
 
 def _modes(text: str) -> tuple:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES + HSDP_MODES]
     if unknown or not modes or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"modes {text!r}: pick each at most once from {', '.join(MODES)}")
+        raise argparse.ArgumentTypeError(f"modes {text!r}: pick each at most once from "
+                                         f"{', '.join(MODES + HSDP_MODES)}")
     return modes
 
 
@@ -283,11 +295,17 @@ def main() -> None:
     parser.add_argument("--models", type=_model_keys, default=DEFAULT_MODELS,
                         help=f"comma-separated: {', '.join(MODELS)}; or all (default: {DEFAULT_MODELS})")
     parser.add_argument("--modes", type=_modes, default=MODES,
-                        help=f"comma-separated, timed in this order: {', '.join(MODES)} (default: all)")
+                        help=f"comma-separated, timed in this order: {', '.join(MODES + HSDP_MODES)} "
+                        f"(default: {', '.join(MODES)})")
+    parser.add_argument("--hsdp", action="store_true", help="add torch_hsdp,pydist_hsdp (an even --nprocs >= 4)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.nprocs < 2:
         parser.error(f"--nprocs {args.nprocs}: sharding needs at least 2 ranks")
+    if args.hsdp:
+        args.modes += tuple(m for m in HSDP_MODES if m not in args.modes)
+    if any(m in HSDP_MODES for m in args.modes) and (args.nprocs < 4 or args.nprocs % 2):
+        parser.error(f"--nprocs {args.nprocs}: HSDP's 2 x N/2 mesh needs an even number of ranks, at least 4")
     results = [run(k, args.nprocs, args.rounds, args.steps, args.modes) for k in args.models]
     if args.json:
         print(json.dumps(results, indent=1))
@@ -300,7 +318,7 @@ def main() -> None:
               f"{'padding':>8} {'peakRSS(MB)':>12}")
         for m in r["modes"]:
             ratio = f"{r[m + '_ms'] / r['torch_ms']:.2f}" if "torch_ms" in r else "-"
-            paired = _ratio(r[m + "_paired"]) if m != "torch" else "-"
+            paired = _ratio(r[m + "_paired"]) if m not in ("torch", "torch_hsdp") else "-"
             paired1 = _ratio(r[m + "_paired_fsdp1"]) if m != "torch_fsdp1" else "-"
             print(f"{m:<11} {r[m + '_ms']:>9.1f} {ratio:>9} {paired:>7} {paired1:>8} {r[m + '_persistent_MB']:>12.2f} "
                   f"{r[m + '_padding_elems']:>8.0f} {r[m + '_peak_rss_MB']:>12.1f}")

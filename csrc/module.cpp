@@ -128,6 +128,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "outputs[q][i] := rank q's inputs[i]: one all-gather of the inputs' concatenation, scattered into "
            "the outputs (one list per rank, matching inputs' sizes)")
       .def("stats", &tp::Transport::stats, "counters a wrapper keeps; empty otherwise")
+      .def("abort", &tp::Transport::abort, py::arg("why"),
+           "this rank has failed: peers waiting on it through shared memory fail at once repeating `why`")
       .def("set_stamp_completion", &tp::Transport::set_stamp_completion, py::arg("on"))
       .def_property_readonly("applies_scale", &tp::Transport::applies_scale)
       .def_property_readonly("owns_buckets", &tp::Transport::owns_buckets)

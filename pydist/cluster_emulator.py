@@ -8,6 +8,9 @@
         procs = cluster.launch_torchrun(["train.py"])      # one torchrun agent per host
         cluster.wait(procs, timeout=120)
         cluster.shm_entries(1)                             # what host 1's /dev/shm holds
+        cluster.set_rate("100mbit")                        # reshape every link while it runs
+
+    cluster_emulator.request_rate("100mbit")   # inside a host: ask the driver (its wait() serves it)
 
 Each host is a network namespace (its own interface ``eth0`` with an
 address on a private subnet), a mount namespace (its own tmpfs ``/dev/shm``
@@ -48,9 +51,12 @@ import time
 import weakref
 from typing import NamedTuple, Sequence
 
-__all__ = ["EmulatedCluster", "ClusterUnavailable", "why_unavailable", "HostInfo", "main"]
+__all__ = ["EmulatedCluster", "ClusterUnavailable", "why_unavailable", "HostInfo", "request_rate", "CONTROL_ENV",
+           "main"]
 
 _NS_PREFIX = "pdc"  # every namespace this module makes: pdc<pid>x<cluster>h<host> / ...s
+# What launched processes find their cluster's control directory in: see request_rate.
+CONTROL_ENV = "PYDIST_CLUSTER_CONTROL"
 
 
 class ClusterUnavailable(RuntimeError):
@@ -130,6 +136,10 @@ class EmulatedCluster:
         self._agents: list[subprocess.Popen] = []
         self._launched: list[subprocess.Popen] = []
         self._tmp = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        # request_rate's files: a launched process writes "request", wait() answers in "done"
+        self._control = os.path.join(self._tmp, "control")
+        os.makedirs(self._control)
+        self._served = ""  # the last request wait() carried out
         self._closed = False
         self._started = False
 
@@ -172,8 +182,8 @@ class EmulatedCluster:
                 self._ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
                 self._ip("-n", self.switch, "link", "set", f"port{i}", "up")
                 if self.rate:
-                    self._shape(netns, "eth0")
-                    self._shape(self.switch, f"port{i}")
+                    self._shape(netns, "eth0", self.rate)
+                    self._shape(self.switch, f"port{i}", self.rate)
                 hosts_file = os.path.join(self._tmp, f"hosts{i}")
                 with open(hosts_file, "w") as f:
                     f.write("127.0.0.1 localhost\n")
@@ -202,6 +212,8 @@ class EmulatedCluster:
         """Ends every process inside the hosts, then removes the namespaces
         (their veths and the bridge go with them). Idempotent."""
         if self._closed or not self._started:
+            if not self._closed:
+                shutil.rmtree(self._tmp, ignore_errors=True)  # made in __init__, never started
             self._closed = True
             return
         self._closed = True
@@ -243,12 +255,27 @@ class EmulatedCluster:
         if done.returncode != 0:
             raise ClusterUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
 
-    def _shape(self, netns: str, dev: str) -> None:
-        """tbf at ``self.rate`` on ``dev``'s egress: a bucket of about 2 ms
-        of the rate (at least 256 KB: veth hands over 64 KB GSO packets)."""
-        bits = _rate_bits(self.rate)
+    def set_rate(self, rate: str | None) -> None:
+        """Shapes every host's link, both ends, to ``rate`` ("300mbit"; None:
+        unshaped) while the cluster runs: what runs inside keeps its
+        connections."""
+        if rate is not None:
+            _rate_bits(rate)  # refused before anything changes
+        for host in self.hosts:
+            for netns, dev in ((host.netns, "eth0"), (self.switch, f"port{host.index}")):
+                if rate is None:
+                    subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+                else:
+                    self._shape(netns, dev, rate)
+        self.rate = rate
+
+    def _shape(self, netns: str, dev: str, rate: str) -> None:
+        """tbf at ``rate`` on ``dev``'s egress (replacing what shaped it): a
+        bucket of about 2 ms of the rate (at least 256 KB: veth hands over
+        64 KB GSO packets)."""
+        bits = _rate_bits(rate)
         burst = max(256 * 1024, int(bits / 8 * 0.002))
-        done = subprocess.run(["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+        done = subprocess.run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                                "burst", str(burst), "latency", "100ms"], capture_output=True, text=True)
         if done.returncode != 0:
             raise ClusterUnavailable(f"tc tbf on {dev} in {netns} failed: {done.stderr.strip()}")
@@ -285,7 +312,7 @@ class EmulatedCluster:
                     f"--nproc_per_node={self.ranks_per_host[0]}", f"--node_rank={host.index}",
                     f"--master_addr={self.hosts[0].address}", f"--master_port={master_port}", *torchrun_args,
                     *script_argv]
-            procs.append(self.popen(host.index, argv, env=_env(env), **popen_kwargs))
+            procs.append(self.popen(host.index, argv, env=self._env(env), **popen_kwargs))
         return procs
 
     def launch_slurm(self, script_argv: Sequence[str], env: dict | None = None, job_id: int = 3737,
@@ -314,7 +341,7 @@ class EmulatedCluster:
                     "SLURM_JOB_NODELIST": nodelist, "SLURM_NODELIST": nodelist, "SLURM_STEP_NODELIST": nodelist,
                     "SLURM_TASKS_PER_NODE": tasks_per_node, "SLURMD_NODENAME": host.hostname,
                 }
-                procs.append(self.popen(host.index, [sys.executable, *script_argv], env=_env(env, slurm),
+                procs.append(self.popen(host.index, [sys.executable, *script_argv], env=self._env(env, slurm),
                                         **popen_kwargs))
         return procs
 
@@ -336,24 +363,46 @@ class EmulatedCluster:
         hosts = ",".join(f"{h.hostname}:{self.ranks_per_host[h.index]}" for h in self.hosts)
         argv = ["mpiexec", "-launcher", "ssh", "-launcher-exec", script, "-hosts", hosts, "-n", str(self.world_size),
                 sys.executable, *script_argv]
-        return [self.popen(0, argv, env=_env(env), **popen_kwargs)]
+        return [self.popen(0, argv, env=self._env(env), **popen_kwargs)]
 
-    @staticmethod
-    def wait(procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
+    def _env(self, extra: dict | None = None, more: dict | None = None) -> dict:
+        return _env(extra, {CONTROL_ENV: self._control, **(more or {})})
+
+    def wait(self, procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
         """Every process's exit status; kills the rest and raises TimeoutError
-        naming them if they are not done within ``timeout`` seconds."""
+        naming them if they are not done within ``timeout`` seconds. Meanwhile
+        it carries out what launched processes ask through ``request_rate``."""
         deadline = time.monotonic() + timeout
-        codes = []
-        for i, proc in enumerate(procs):
-            try:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
                 late = [j for j, p in enumerate(procs) if p.poll() is None]
                 for p in procs:
                     if p.poll() is None:
                         os.killpg(p.pid, signal.SIGKILL)
                 raise TimeoutError(f"EmulatedCluster.wait: processes {late} still running after {timeout} s")
-        return codes
+            self._serve_rate_request()
+            time.sleep(0.02)
+        return [p.returncode for p in procs]
+
+    def _serve_rate_request(self) -> None:
+        try:
+            with open(os.path.join(self._control, "request")) as f:
+                request = f.read().strip()
+        except FileNotFoundError:
+            return
+        if not request or request == self._served:
+            return
+        serial, _, rate = request.partition(" ")
+        try:
+            self.set_rate(rate if rate != "none" else None)
+            answer = serial
+        except (ValueError, ClusterUnavailable) as exc:
+            answer = f"{serial} {exc}"
+        done = os.path.join(self._control, "done")
+        with open(done + ".tmp", "w") as f:
+            f.write(answer)
+        os.replace(done + ".tmp", done)
+        self._served = request
 
     # --- faults -----------------------------------------------------------------
 
@@ -378,6 +427,44 @@ class EmulatedCluster:
                     os.kill(pid, signal.SIGCONT if resume else signal.SIGSTOP)
                 except ProcessLookupError:
                     pass
+
+
+_requests = 0  # request_rate's serial numbers in this process
+
+
+def request_rate(rate: str | None, timeout: float = 60.0) -> None:
+    """From a process launched on an emulated cluster (one process at a
+    time, e.g. rank 0, then a barrier): asks the driver to shape every host's
+    link to ``rate`` ("300mbit"; None: unshaped) and returns once it has.
+    The driver does it while in ``EmulatedCluster.wait``. Raises
+    RuntimeError outside a cluster, naming the driver's refusal, or after
+    ``timeout`` seconds."""
+    global _requests
+    control = os.environ.get(CONTROL_ENV)
+    if not control:
+        raise RuntimeError(f"request_rate: {CONTROL_ENV} is not set; only a process an EmulatedCluster launched "
+                           "can ask it for a rate")
+    _requests += 1
+    serial = f"{os.getpid()}.{_requests}"
+    request = os.path.join(control, "request")
+    with open(request + ".tmp", "w") as f:
+        f.write(f"{serial} {rate if rate is not None else 'none'}")
+    os.replace(request + ".tmp", request)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(os.path.join(control, "done")) as f:
+                answer = f.read().strip()
+        except FileNotFoundError:
+            answer = ""
+        if answer == serial:
+            return
+        if answer.startswith(serial + " "):
+            raise RuntimeError(f"request_rate({rate!r}): the driver refused: {answer[len(serial) + 1:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"request_rate({rate!r}): the driver did not answer within {timeout:g} s "
+                               "(is it in EmulatedCluster.wait?)")
+        time.sleep(0.02)
 
 
 def _rate_bits(rate: str) -> float:

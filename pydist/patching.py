@@ -29,7 +29,9 @@ __all__ = ["TorchPatch", "patch_torch", "IMPORT_CHANGES"]
 # door, whose gradients and state dicts are plain pieces of a flat layout
 # and ShardedTensors rather than DTensors; each passes anything else (DTensors,
 # fully_shard's modules, plain tensors, torch's own wrappers) to torch's own
-# code unchanged, so fully_shard and DDP get torch's results unpatched.
+# code unchanged, so fully_shard and DDP get torch's results unpatched. The
+# optimizer functionals' wrappers serve fully_shard's door: they change how
+# its DTensor parameters' update is computed, not one bit of it.
 # tests/test_patching.py checks that this list is what is in place.
 class _Change(NamedTuple):
     attribute: str  # "module:attribute" of torch's
@@ -53,6 +55,11 @@ IMPORT_CHANGES = (
             "built on the meta device])"),
     _Change("torch.distributed._state_dict_utils:_all_gather_sharded_tensor", "a FSDP1-door state dict",
             "a full gather of pydist's ShardedTensors (torch's assumes its own dim-0 chunks)"),
+    _Change("torch.optim.adam:adam", "the first fully_shard",
+            "Adam's and AdamW's update of fully_shard's DTensor parameters runs on their local shards, bitwise "
+            "what DTensor dispatch gives without its cost per op; anything else goes to torch's unchanged "
+            "([Note: the optimizer step on local shards])"),
+    _Change("torch.optim.sgd:sgd", "the first fully_shard", "the same, for SGD's update"),
     _Change("torch.optim.optimizer:register_optimizer_step_pre_hook", "the first fully_shard",
             "a global step pre-hook: an optimizer stepping parameters fully_shard replaced raises "
             "([Note: DTensor parameters])"),

@@ -100,11 +100,12 @@ def test_import_changes_list_what_pydist_puts_in_torchs_place():
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (the helpers are replaced once imported)
 
     import pydist
-    from pydist.fsdp import _state_dict
+    from pydist.fsdp import _optim_step, _state_dict
     from pydist.patching import IMPORT_CHANGES
 
     _state_dict.install_torch_checkpoint_api()
     _state_dict._install_full_gather()
+    _optim_step.install_local_shard_step()
     for change in IMPORT_CHANGES:
         module_name, attribute = change.attribute.split(":")
         if attribute == "register_optimizer_step_pre_hook":

@@ -170,6 +170,24 @@ def test_peer_that_shut_down_fails_the_wait_at_once(leaves):
 
 
 @pytest.mark.timeout(30)
+def test_peer_that_failed_elsewhere_and_left_is_named_with_its_cause():
+    """A rank whose failure came from outside this transport (the
+    hierarchical transport's cross-host leg) aborts it before it leaves: a
+    peer waiting on it gets that cause, not only "shut its end down", also
+    when it looks after the rank has left. The first cause is kept."""
+    ends = _pair(timeout_s=60)
+    ends[1].abort("HierarchicalTransport: an all-reduce failed on the cross-host leg; unreachable host: node1")
+    ends[1].abort("a later failure")
+    ends[1].close()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="waited for rank 1 to stage piece 1, but rank 1 failed and aborted the "
+                                           "transport: HierarchicalTransport: an all-reduce failed on the cross-host "
+                                           "leg; unreachable host: node1$"):
+        ends[0].allreduce_(torch.ones(10))
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(30)
 def test_peer_that_never_arrives_times_out_and_aborts_the_others():
     ends = _pair(timeout_s=0.5)
     start = time.monotonic()

@@ -268,10 +268,23 @@ class HierarchicalTransport : public Transport {
     return out.str();
   }
 
+  // The job fails with `message`. The first failure also aborts both local
+  // legs, before this rank's caller can see the error and exit: the host's
+  // other ranks may be waiting on this one in shared memory (the last leg
+  // of an earlier collective), and would otherwise only learn that it left,
+  // not that the cross leg lost a host.
   void fail(Job& job, const std::string& message) {
+    bool first = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (broken_why_.empty()) broken_why_ = message;
+      if (broken_why_.empty()) {
+        broken_why_ = message;
+        first = true;
+      }
+    }
+    if (first) {
+      local_in_->abort(message);
+      local_out_->abort(message);
     }
     job.done->setError(std::make_exception_ptr(std::runtime_error(message)));
   }

@@ -35,7 +35,7 @@ namespace pydist {
 namespace {
 
 constexpr uint64_t kMagic = 0x70796469'73747368ULL;  // "pydistsh"
-constexpr uint32_t kLayoutVersion = 3;
+constexpr uint32_t kLayoutVersion = 4;
 constexpr size_t kHeaderBytes = 4096;
 // Checks of a counter before going to sleep on it: a peer that is running
 // usually arrives within this, and sleeping costs two syscalls and a wakeup.
@@ -52,10 +52,16 @@ struct ShmHeader {
   uint32_t version;
   uint32_t world_size;
   uint64_t region_bytes; // size of one staging region
-  uint32_t aborted;      // 0, or 1 + the rank that failed first
-  uint32_t aborted_kind; // the transport::Collective it failed
+  uint32_t aborted;      // 0, or 1 + the rank that failed first; written last, after kind and why
+  uint32_t aborted_kind; // the transport::Collective it failed, or kNoCollective
   uint32_t attached;     // ranks that have mapped it; see [Note: the segment's name lives only while ranks attach]
+  uint32_t abort_claim;  // 1 once a rank has begun writing the abort: the first one writes it
+  char aborted_why[3072];  // that rank's error, NUL-terminated (cut to fit)
 };
+static_assert(sizeof(ShmHeader) <= kHeaderBytes, "the header must fit its page");
+
+// aborted_kind of an abort outside any collective (Transport::abort).
+constexpr uint32_t kNoCollective = 0xffffffffu;
 
 // One per rank, after the header; counters on cache lines of their own,
 // since peers poll them while their owner writes its staging.
@@ -395,14 +401,7 @@ void ShmTransport::work_loop() {
         broken_ = true;
         const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
         broken_why_ = c10_error ? c10_error->what_without_backtrace() : e.what();
-        uint32_t none = 0;
-        if (__atomic_compare_exchange_n(&segment_->header->aborted, &none, static_cast<uint32_t>(rank_ + 1), false,
-                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-          store(&segment_->header->aborted_kind, static_cast<uint32_t>(job.kind));
-        }
-        for (int64_t q = 0; q < world_size_; ++q) {
-          for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(q, phase));
-        }
+        mark_aborted(static_cast<uint32_t>(job.kind), broken_why_);
       }
     }
     // Let go of the tensors before waking the caller. The caller's handle
@@ -732,20 +731,49 @@ void ShmTransport::check_peer(int64_t peer, Phase phase, uint32_t piece,
   const char* step = phase == Phase::kStaged ? "stage" : "reduce";
   const std::string where = c10::str("shared-memory ", transport::collective_name(running_), " (", name_, "): rank ",
                                      rank_, " waited for rank ", peer, " to ", step, " piece ", piece, ", but ");
-  const uint32_t aborted = load(&segment_->header->aborted);
-  TORCH_CHECK(aborted == 0, where, "rank ", aborted - 1, " failed ",
-              article_name(static_cast<transport::Collective>(load(&segment_->header->aborted_kind))),
-              " and aborted the transport");
+  check_not_aborted(where);
   const ShmRankBlock& block = segment_->ranks[peer];
-  TORCH_CHECK(load(&block.state) != kDetached, where, "rank ", peer,
-              " has shut its end down (the wrapper that opened the transport was destroyed or its process is exiting; an "
-              "error on that rank, if any, is the cause)");
+  if (load(&block.state) == kDetached) {
+    check_not_aborted(where);  // a rank that failed aborts before it detaches
+    TORCH_CHECK(false, where, "rank ", peer,
+                " has shut its end down (the wrapper that opened the transport was destroyed or its process is "
+                "exiting; an error on that rank, if any, is the cause)");
+  }
   if (block.pid_ns != 0 && block.pid_ns == segment_->ranks[rank_].pid_ns) {
     TORCH_CHECK(!process_gone(block.pid), where, "its process (pid ", block.pid, ") has exited");
   }
   TORCH_CHECK(!stopping_, where, "this rank is shutting its transport down");
   TORCH_CHECK(std::chrono::steady_clock::now() < deadline, where, "rank ", peer, " did not arrive within the timeout of ",
               timeout_.count(), " ms (ranks issuing collectives in different orders or sizes, or one stuck)");
+}
+
+void ShmTransport::abort(const std::string& why) {
+  if (getpid() != owner_pid_ || closed_) return;  // a forked child's end, or one that has left
+  mark_aborted(kNoCollective, why);
+}
+
+void ShmTransport::mark_aborted(uint32_t kind, const std::string& why) {
+  ShmHeader* header = segment_->header;
+  uint32_t none = 0;
+  if (__atomic_compare_exchange_n(&header->abort_claim, &none, 1u, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    const size_t n = std::min(why.size(), sizeof(header->aborted_why) - 1);
+    std::memcpy(header->aborted_why, why.data(), n);
+    header->aborted_why[n] = '\0';
+    store(&header->aborted_kind, kind);
+    store(&header->aborted, static_cast<uint32_t>(rank_ + 1));  // release: kind and why are in place
+  }
+  for (int64_t q = 0; q < world_size_; ++q) {
+    for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(q, phase));
+  }
+}
+
+void ShmTransport::check_not_aborted(const std::string& where) const {
+  const uint32_t aborted = load(&segment_->header->aborted);
+  if (aborted == 0) return;
+  const uint32_t kind = load(&segment_->header->aborted_kind);
+  TORCH_CHECK(false, where, "rank ", aborted - 1, " failed",
+              kind == kNoCollective ? "" : std::string(" ") + article_name(static_cast<transport::Collective>(kind)),
+              " and aborted the transport: ", segment_->header->aborted_why);
 }
 
 }  // namespace pydist

@@ -152,6 +152,8 @@ class ShmTransport : public transport::Transport {
                                     std::vector<std::vector<at::Tensor>> outputs) override;
   bool applies_scale() const override { return true; }
   std::string name() const override { return "shm"; }
+  // Marks the segment aborted by this rank with `why` (Transport::abort).
+  void abort(const std::string& why) override;
 
   // Whether the collectives take this dtype (float32, float64, bfloat16, float16).
   static bool supports(at::ScalarType dtype);
@@ -203,6 +205,12 @@ class ShmTransport : public transport::Transport {
   void wait_for_counters(Phase phase, uint32_t piece);
   void check_same_call() const;
   void check_peer(int64_t peer, Phase phase, uint32_t piece, std::chrono::steady_clock::time_point deadline) const;
+  // The first rank to call it marks the segment aborted, with the collective
+  // it failed (kNoCollective: failed outside one) and why; every call wakes
+  // the peers' waits.
+  void mark_aborted(uint32_t kind, const std::string& why);
+  // Throws `where` + which rank aborted the segment and why, if one has.
+  void check_not_aborted(const std::string& where) const;
   transport::Collective running_ = transport::Collective::kAllReduce;  // the worker's job, for errors
   // Where rank `owner` keeps region `region` of staging set `set`.
   template <typename T>

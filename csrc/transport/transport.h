@@ -187,6 +187,15 @@ class Transport {
   // Counters a wrapper keeps (calls, bytes); empty for the others.
   virtual std::map<std::string, int64_t> stats() const { return {}; }
 
+  // This rank has failed (`why`, one line): a transport whose peers wait on
+  // it through memory it shares (shared memory) makes their waits fail at
+  // once repeating `why`, so a peer that would otherwise see only "rank 0
+  // has shut its end down" names the cause. The first abort's `why` is kept;
+  // later ones only wake. Others do nothing: a process group's peers learn of
+  // the failure from their own collectives. A composite transport that fails
+  // aborts its legs (hierarchical_transport.cpp).
+  virtual void abort(const std::string& /*why*/) {}
+
  protected:
   int64_t completion_time() const { return stamp_completion() ? steady_now_ns() : -1; }
 
@@ -237,6 +246,7 @@ class WrappingTransport : public Transport {
   int64_t world_size() const override { return inner_->world_size(); }
   std::string name() const override { return inner_->name(); }
   std::map<std::string, int64_t> stats() const override { return inner_->stats(); }
+  void abort(const std::string& why) override { inner_->abort(why); }
   const std::shared_ptr<Transport>& inner() const { return inner_; }
 
  protected:

@@ -27,6 +27,7 @@ from torch.nn.modules import module as _module_hooks
 from pydist.fsdp._fsdp_param import ParamModuleInfo
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, Layout
 from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES, FSDPState, state_of
+from pydist.fsdp._optim_step import install_local_shard_step
 from pydist.fsdp._state_dict import install_torch_checkpoint_api, register_state_dict_hooks
 
 __all__ = ["fully_shard", "UnitModule", "fsdp2_mixin", "unshard_handle"]
@@ -94,6 +95,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         module.register_load_state_dict_post_hook(
             lambda *_: param_group.adopt_registered("load_state_dict(assign=True)"))
     install_torch_checkpoint_api()  # see [Note: torch's checkpoint helpers on pydist's shards]
+    install_local_shard_step()  # see [Note: the optimizer step on local shards]
     # Libraries ask whether a module is FSDP-managed the way torch's
     # fully_shard marks it: Hugging Face's generate() then keeps every rank
     # stepping until all are done (synced_gpus); unmarked, a rank that

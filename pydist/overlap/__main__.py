@@ -5,7 +5,8 @@
     python -m pydist.overlap report TRACE.json [--plot OUT.png] [--step N] [--rank R]
     python -m pydist.overlap report DIR [--json]                  every DIR/rank*.json, merged in memory
     python -m pydist.overlap predict DIR [--link BW,LAT] [--bucket-cap-mb C] [--chunk-mb K]
-                                     [--recommend C1,C2,...] [--json]   the step at other settings (predict.py)
+                                     [--recommend C1,C2,...] [--recorded-link BW,LAT] [--json]
+                                                                  the step at other settings (predict.py)
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--rank", type=int, help="the rank to draw (default: the first in the trace)")
     pre = commands.add_parser("predict", help="predict the step under another link, bucket cap or chunk size")
     pre.add_argument("trace", help="a PYDIST_TRACE directory (every rank's file) or a merged trace")
-    pre.add_argument("--link", metavar="BW,LAT", help="a simulated link, PYDIST_SIM_NET's syntax (default: the recorded one)")
+    pre.add_argument("--link", metavar="BW,LAT",
+                     help="the link to predict, PYDIST_SIM_NET's syntax (default: the recorded one); with "
+                          "--recorded-link a real link's rate, else a simulated link")
+    pre.add_argument("--recorded-link", metavar="BW,LAT",
+                     help="the recorded run crossed this real link, which pydist did not simulate (e.g. gloo between "
+                          "hosts over a link shaped to 1Gbps): its modelled time is taken off the recorded "
+                          "collectives and the --link's added back ([Note: simulated and real links] in "
+                          "pydist/overlap/predict.py); default: the run's simulated link, or none")
     pre.add_argument("--bucket-cap-mb", type=float, metavar="C", help="default: the recorded cap")
     pre.add_argument("--first-bucket-cap-mb", type=float, metavar="C", help="default: the bucket cap (the wrapper's rule)")
     pre.add_argument("--chunk-mb", type=float, metavar="K", help="allreduce_chunk_mb, 0: whole buckets (default: the recorded one)")
@@ -143,14 +151,15 @@ def _predict(args) -> int:
                                  "e.g. 0.25,1,4,25") from None
             if not caps or any(not c > 0 for c in caps):
                 raise ValueError(f"--recommend {args.recommend!r}: every cap must be > 0 (MB)")
-        if args.link is not None:
-            try:
-                predict.network.parse_link(args.link)
-            except ValueError as exc:
-                raise ValueError(f"--link: {exc}") from None
+        for name in ("link", "recorded_link"):
+            if getattr(args, name) is not None:
+                try:
+                    predict.network.parse_link(getattr(args, name))
+                except ValueError as exc:
+                    raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
         return predict.predict_json(_load(args.trace), link=args.link, bucket_cap_mb=args.bucket_cap_mb,
                                     first_bucket_cap_mb=args.first_bucket_cap_mb, chunk_mb=args.chunk_mb,
-                                    recommend_caps=caps, wrapper=args.wrapper)
+                                    recommend_caps=caps, wrapper=args.wrapper, recorded_link=args.recorded_link)
 
     result = _reading("predict", args.trace, work)  # errors as report's: named on stderr, exit 2
     if result is _FAILED:

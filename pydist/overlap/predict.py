@@ -4,6 +4,8 @@ size, predicted from one recorded run.
     PYDIST_TRACE=traces PYDIST_SIM_NET=10Gbps,20us torchrun --nproc_per_node=2 train.py
     python -m pydist.overlap predict traces --link 1Gbps,20us --bucket-cap-mb 4 --json
     python -m pydist.overlap predict traces --link 1Gbps,20us --recommend 0.25,1,4,25
+    # a run across hosts over a real 1 Gb/s link (no simulated one), predicted at 0.1 Gb/s:
+    python -m pydist.overlap predict traces --recorded-link 1Gbps --link 0.1Gbps --bucket-cap-mb 4
 
 [Note: the what-if predictor]
 A trace holds, per step and rank, when each parameter's gradient became
@@ -27,7 +29,8 @@ step under the new settings and takes the median:
    and the same for the gradient before) are compared with and without a
    launch in them (a least-squares fit within each kind). The gaps are
    freed of the recorded launches and charged with the new ones.
-3. Link. As the simulated link models it ([Note: simulated network] in
+3. Link. For a real link (``--recorded-link``), see [Note: simulated and
+   real links]. A simulated one as it models it ([Note: simulated network] in
    csrc/transport/sim_net_transport.cpp, ``network.model_seconds``): one
    transfer at a time per rank, in launch order, each taking the
    alpha-beta time of a ring all-reduce; a chunk completes at the later of
@@ -52,12 +55,13 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from enum import Enum
 from typing import NamedTuple, Sequence
 
 from pydist.overlap import network
 
-__all__ = ["Settings", "Calibration", "fit_fixed_and_per_byte", "Prediction", "BucketPrediction", "Recording",
-           "load_recording", "chunk_slots",
+__all__ = ["LinkKind", "LinkTime", "Settings", "Calibration", "fit_fixed_and_per_byte", "Prediction",
+           "BucketPrediction", "Recording", "load_recording", "chunk_slots",
            "rebucket", "calibrate", "settings_for", "predict", "recommend", "recorded_step_ms", "predict_json",
            "predict_text"]
 
@@ -68,6 +72,51 @@ _INNER_BOUND_MS = 0.3
 # Two recorded chunks whose sizes differ by at least this factor measure
 # the transport's cost per byte apart from its fixed cost per collective.
 _INNER_SIZE_RATIO = 1.5
+
+
+# [Note: simulated and real links]
+# The recorded run's collectives crossed one of two kinds of link, and the
+# link predicted is of the same kind:
+#
+# - SIMULATED: pydist's simulated link (PYDIST_SIM_NET, ``sim_net=``; the
+#   trace names it), or none. The wrapper holds each completion until the
+#   link's alpha-beta model allows, while the transport behind it moves the
+#   data meanwhile: the two overlap, and a chunk completes at the later of
+#   the two. The model's ring is the transport's (the world size).
+# - REAL: a network the transport's own transfers cross, which pydist does
+#   not simulate (gloo between hosts over a ``tc tbf``-shaped link): the
+#   trace cannot say what it was, so the user names it (``--recorded-link``,
+#   the rate the link is shaped or rated to). Moving the bytes over it is
+#   part of the transport's own time, so its modelled time adds to the
+#   transport's cost rather than overlapping it: calibration takes the
+#   recorded link's time off the recorded collectives before fitting the
+#   transport's fixed and per-byte cost (what is left is CPU work: copies,
+#   the reduction, gloo's cost per message; [Note: collectives that share a
+#   real link] says how), and a prediction adds the new link's time back.
+#   No completion is held (no completion delay). The
+#   ring is the hosts' (ranks on one host do not cross the link; the merged
+#   trace's ``merged_hosts`` says which ranks share one): the hierarchical
+#   transport's cross-host streams share their host's link and carry each
+#   bucket across once between them, as one ring of the hosts would.
+#
+# Either way a rank sends 2 (n - 1) / n of an all-reduce's bytes over the
+# link, at its bandwidth, with its latency per hop (``network.model_seconds``).
+# What a real link costs beyond that is not modelled: packet headers (a
+# shaper counts frames: at MTU 1500, 1514 bytes per 1448 of payload), TCP's
+# ramp after idle, the shaper's burst. They fall into the per-byte cost
+# fitted at the recorded rate, which does not scale with the link's rate.
+class LinkKind(Enum):
+    """What the recorded run's link was: see [Note: simulated and real links]."""
+
+    SIMULATED = "simulated"  # pydist's simulated link (or none): it holds completions
+    REAL = "real"            # crossed by the transport's own transfers: it takes time inside the transport
+
+
+class LinkTime(NamedTuple):
+    """One collective's time on a link: see [Note: simulated and real links]."""
+
+    held_ms: float      # a simulated link's hold on the completion (from the transfer's start)
+    transfer_ms: float  # a real link's share of the transport's own time
 
 
 class Settings(NamedTuple):
@@ -127,14 +176,26 @@ class _RankStep(NamedTuple):
 
 class Recording(NamedTuple):
     params: list[tuple[str, tuple[int, ...], str, str]]  # name, shape, dtype, device
-    settings: Settings
+    settings: Settings           # settings.link: the recorded link (infinite bandwidth: none)
     world_size: int
     ready_order: list[int]       # parameter indices, as gradients became ready on rank 0
     steps: dict[int, list[_RankStep]]  # step -> every rank's record of it
+    link_kind: LinkKind = LinkKind.SIMULATED  # settings.link's kind, and so any predicted link's
+    hosts: int = 1               # hosts the ranks ran on (the ring a real link carries)
 
     def param_bytes(self, index: int) -> int:
         _, shape, dtype, _ = self.params[index]
         return math.prod(shape) * _itemsize(dtype)
+
+    def link_time(self, link: network.Link, nbytes: int) -> LinkTime:
+        """An all-reduce of ``nbytes`` over ``link``, a link of this
+        recording's kind: the one place that decides how a link acts on a
+        collective ([Note: simulated and real links])."""
+        if math.isinf(link.bandwidth_bps):
+            return LinkTime(0.0, 0.0)
+        if self.link_kind is LinkKind.REAL:
+            return LinkTime(0.0, network.model_seconds("all_reduce", nbytes, self.hosts, link) * 1e3)
+        return LinkTime(network.model_seconds("all_reduce", nbytes, self.world_size, link) * 1e3, 0.0)
 
 
 def _itemsize(dtype: str) -> int:
@@ -146,10 +207,13 @@ def _itemsize(dtype: str) -> int:
 # --- reading a recording --------------------------------------------------------
 
 
-def load_recording(document: dict, wrapper: int | None = None) -> Recording:
+def load_recording(document: dict, wrapper: int | None = None,
+                   recorded_link: "str | network.Link | None" = None) -> Recording:
     """The steps of DDP wrapper ``wrapper`` (None: the first the trace
-    holds) in a merged trace (every rank). Raises ``ValueError`` naming what
-    the trace lacks."""
+    holds) in a merged trace (every rank). ``recorded_link``: the real link
+    the run crossed, which pydist did not simulate ([Note: simulated and
+    real links]); None: the trace's simulated link, or none. Raises
+    ``ValueError`` naming what the trace lacks."""
     from pydist.overlap.report import steps_from_trace
 
     infos = document.get("otherData", {}).get("wrappers", {})
@@ -172,6 +236,20 @@ def load_recording(document: dict, wrapper: int | None = None) -> Recording:
         world_size = int(info["world_size"])
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"otherData.wrappers[{wrapper!r}] is damaged ({type(exc).__name__}: {exc})") from None
+    named = document.get("otherData", {}).get("merged_hosts")
+    # a trace merged before hosts were kept: every rank taken for a host of its own
+    hosts = len(set(named)) if isinstance(named, list) and named and None not in named else world_size
+    kind = LinkKind.SIMULATED
+    if recorded_link is not None:
+        if link:
+            raise ValueError(f"--recorded-link {recorded_link}: the recorded run had a simulated link "
+                             f"({settings.link}), which the trace names; --recorded-link names the real link of a "
+                             "run without one")
+        if hosts < 2:
+            raise ValueError(f"--recorded-link {recorded_link}: every rank of the recording ran on one host "
+                             f"({named[0] if named else '?'}); a real link lies between hosts")
+        settings = settings._replace(link=network.parse_link(recorded_link))
+        kind = LinkKind.REAL
     by_step: dict[int, list[_RankStep]] = {}
     for s in steps_from_trace(document):
         if s.wrapper != wrapper or not s.buckets:
@@ -198,7 +276,7 @@ def load_recording(document: dict, wrapper: int | None = None) -> Recording:
     first = min(complete[usable[0]], key=lambda r: r.rank)
     order = sorted(first.grad_ms, key=lambda p: first.grad_ms[p])
     order += [p for p in range(len(params)) if p not in first.grad_ms]
-    return Recording(params, settings, world_size, order, {k: complete[k] for k in usable})
+    return Recording(params, settings, world_size, order, {k: complete[k] for k in usable}, kind, hosts)
 
 
 def _rank_step(s) -> _RankStep:
@@ -300,17 +378,21 @@ def calibrate(recording: Recording) -> Calibration:
     slowdown = max(0.0, sxy / sxx) if sxx > 0 else 0.0
 
     # The link: replay the recorded chunks against the recorded link's model.
-    link, n = recording.settings.link, recording.world_size
-    lateness, inner = [], []
+    link = recording.settings.link
+    lateness, inner, stretches = [], [], []  # stretches: over a real link
     for ranks in recording.steps.values():
         launches: dict[int, list[float]] = {}
         for r in ranks:
             for k, c in enumerate(r.chunks):
                 launches.setdefault(k, []).append(r.start_ms + c.launch_ms)
         for r in ranks:
+            if recording.link_kind is LinkKind.REAL:  # no completion held: every chunk is the transport's
+                starts = [max(launches[k]) - r.start_ms for k in range(len(r.chunks))]
+                stretches += _busy_stretches(recording, r, starts)
+                continue
             free, previous = -math.inf, -math.inf
             for k, c in enumerate(r.chunks):
-                due = max(c.launch_ms, free) + _link_ms(c.bytes, n, link)
+                due = max(c.launch_ms, free) + recording.link_time(link, c.bytes).held_ms
                 free = due
                 late = c.complete_ms - due
                 lateness.append(late)
@@ -319,6 +401,12 @@ def calibrate(recording: Recording) -> Calibration:
                     start = max(max(launches[k]) - r.start_ms, previous)
                     inner.append((c.complete_ms - start, c.bytes))
                 previous = c.complete_ms
+    if stretches:  # a real link: see [Note: collectives that share a real link]
+        by_size: dict[int, list[float]] = {}
+        for t, b in stretches:
+            by_size.setdefault(b, []).append(t)
+        # each size's lower quarter, every sample of it: a size recorded often weighs more than one seen twice
+        inner = [(t, b) for b, ts in by_size.items() for t in sorted(ts)[:(len(ts) + 3) // 4]]
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
     inner_fixed, inner_per_byte = fit_fixed_and_per_byte([(t - delay, b) for t, b in inner])
@@ -326,6 +414,56 @@ def calibrate(recording: Recording) -> Calibration:
     write_back = [t / b for v in recording.steps.values() for r in v for b, t in r.write_back if b > 0]
     return Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0,
                        inner_fixed)
+
+
+def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> list[tuple[float, int]]:
+    """One rank's recorded chunks over a real link as (ms, bytes) samples of
+    the transport's cost: one per busy stretch, its average collective's
+    (see [Note: collectives that share a real link]). ``starts``: per chunk,
+    when every rank had launched it."""
+    samples = []
+    stretch: list[_Chunk] = []
+    begin = end = -math.inf
+    for c, start in sorted(zip(r.chunks, starts), key=lambda cs: cs[1]) + [(None, math.inf)]:
+        if start > end and stretch:  # the link went idle: the stretch is over
+            nbytes = sum(x.bytes for x in stretch)
+            if nbytes > 0:
+                on_link = sum(recording.link_time(recording.settings.link, x.bytes).transfer_ms for x in stretch)
+                samples.append(((end - begin - on_link) / len(stretch), nbytes // len(stretch)))
+            stretch = []
+        if c is None:
+            break
+        if not stretch:
+            begin, end = start, -math.inf
+        stretch.append(c)
+        end = max(end, c.complete_ms)
+    return samples
+
+
+# [Note: collectives that share a real link]
+# gloo runs up to two collectives at once (ProcessGroupGloo's two worker
+# threads), over one connection per peer: two buckets in flight share the
+# link, and the one launched second can finish first. What one collective
+# costs alone is then not in the records, and a chunk's time from its start
+# to its completion is no sample of it. What a busy stretch of the link
+# costs is: while collectives keep the link busy, however they share it,
+# the last of a stretch ends when their summed costs have passed since the
+# first one started. So over a real link the calibration cuts each rank's
+# recorded chunks into busy stretches (a chunk that starts, every rank
+# having launched it, after everything before it completed begins a new
+# one), takes off each stretch's time the modelled link time of its bytes,
+# and takes what is left per collective (the stretch's average) against the
+# average collective's bytes. Interference only adds to that: collectives in
+# flight together lose time to each other, and on cores the backward
+# shares, to its compute (2 to 25 ms a collective on the shared 2-core
+# machine, while most collectives that ran alone fit the link's model within
+# about 2 ms). So, as a microbenchmark takes its faster runs, the fastest
+# quarter of each size's samples is kept (all of them: a size recorded 40
+# times weighs more than one the recording split off twice), and those are
+# fitted as [Note: the transport's fixed cost] fits single collectives. The replay serves
+# collectives one at a time in launch order, which ends a busy stretch at
+# the same time; a bucket's own completion within a stretch may come in
+# another order than recorded.
 
 
 # [Note: the transport's fixed cost]
@@ -364,12 +502,6 @@ def fit_fixed_and_per_byte(samples: Sequence[tuple[float, int]]) -> tuple[float,
     if fixed < 0.0:  # a negative fixed cost is noise: through the origin instead
         return 0.0, max(0.0, statistics.median(t / b for t, b in samples))
     return fixed, per_byte
-
-
-def _link_ms(nbytes: int, world_size: int, link: network.Link) -> float:
-    if math.isinf(link.bandwidth_bps):
-        return 0.0
-    return network.model_seconds("all_reduce", nbytes, world_size, link) * 1e3
 
 
 # --- the replay -----------------------------------------------------------------
@@ -415,7 +547,7 @@ def predict(recording: Recording, settings: Settings, calibration: Calibration |
     launched_new = [0] * (len(order) + 1)
     for nbytes, _, pos in chunks:
         launched_new[min(pos + 1, len(order))] += nbytes
-    n = recording.world_size
+    on_link = [recording.link_time(settings.link, nbytes) for nbytes, _, _ in chunks]
     steps, backwards, exposed_total = [], [], []
     exposed_per_bucket = [[] for _ in buckets]
     for ranks in recording.steps.values():
@@ -431,7 +563,7 @@ def predict(recording: Recording, settings: Settings, calibration: Calibration |
         inner_done, inner_free = [], -math.inf
         for k, (nbytes, _, _) in enumerate(chunks):
             start = max(max(launch_at[r.rank][k] for r in ranks), inner_free)
-            inner_free = start + cal.inner_ms(nbytes)
+            inner_free = start + cal.inner_ms(nbytes) + on_link[k].transfer_ms
             inner_done.append(inner_free)
         step_ms, exposed_sum, backward = [], 0.0, []
         per_bucket = [0.0] * len(buckets)
@@ -439,7 +571,7 @@ def predict(recording: Recording, settings: Settings, calibration: Calibration |
             free = -math.inf
             complete = [-math.inf] * len(buckets)
             for k, (nbytes, b, _) in enumerate(chunks):
-                due = max(launch_at[r.rank][k], free) + _link_ms(nbytes, n, settings.link)
+                due = max(launch_at[r.rank][k], free) + on_link[k].held_ms
                 free = due
                 complete[b] = max(complete[b], max(due, inner_done[k]) + cal.completion_delay_ms)
             end = r.start_ms + ready_at[r.rank][-1]
@@ -503,21 +635,25 @@ def recommend(recording: Recording, settings: Settings, caps_mb: Sequence[float]
     return {"cap_mb": best, "step_ms": by_cap[best], "by_cap": [{"cap_mb": c, "step_ms": t} for c, t in by_cap.items()]}
 
 
-def _link_text(link: network.Link) -> str:
+def _link_text(link: network.Link, kind: LinkKind) -> str:
+    if kind is LinkKind.REAL:
+        return f"{link} (real)"
     return "no simulated link" if math.isinf(link.bandwidth_bps) else str(link)
 
 
 def predict_json(document: dict, link=None, bucket_cap_mb=None, first_bucket_cap_mb=None, chunk_mb=None,
-                 recommend_caps: Sequence[float] | None = None, wrapper: int | None = None) -> dict:
+                 recommend_caps: Sequence[float] | None = None, wrapper: int | None = None,
+                 recorded_link=None) -> dict:
     """What ``python -m pydist.overlap predict --json`` prints."""
-    recording = load_recording(document, wrapper)
+    recording = load_recording(document, wrapper, recorded_link)
     cal = calibrate(recording)
     settings = settings_for(recording, link, bucket_cap_mb, first_bucket_cap_mb, chunk_mb)
     out = predict(recording, settings, cal).as_json()
-    out["link"] = _link_text(settings.link)
+    out["link"] = _link_text(settings.link, recording.link_kind)
+    out["link_kind"] = recording.link_kind.value
     out["recorded"] = {"step_ms": recorded_step_ms(recording), "steps": len(recording.steps),
-                       "ranks": recording.world_size, **recording.settings.describe(),
-                       "link": _link_text(recording.settings.link)}
+                       "ranks": recording.world_size, "hosts": recording.hosts, **recording.settings.describe(),
+                       "link": _link_text(recording.settings.link, recording.link_kind)}
     out["calibration"] = cal.describe()
     if recommend_caps:
         out["recommend"] = recommend(recording, settings, recommend_caps, cal)

@@ -314,7 +314,7 @@ def merge_traces(paths: list[str]) -> dict:
     if origin == float("inf"):
         origin = 0.0
     merged: list[dict] = []
-    ranks = []
+    ranks, hosts = [], []
     for doc, shift in zip(documents, shifts):
         for e in doc["traceEvents"]:
             e = dict(e)
@@ -322,10 +322,13 @@ def merge_traces(paths: list[str]) -> dict:
                 e["ts"] = e["ts"] + shift - origin
             merged.append(e)
         ranks.append(doc.get("otherData", {}).get("rank"))
+        hosts.append(doc.get("otherData", {}).get("host"))
     return {
         "traceEvents": merged,
         "displayTimeUnit": "ms",
-        "otherData": {"format": FORMAT, "merged_ranks": ranks, "clock": "realtime, earliest event at 0",
+        "otherData": {"format": FORMAT, "merged_ranks": ranks,
+                      "merged_hosts": hosts,  # each rank's hostname, in merged_ranks' order
+                      "clock": "realtime, earliest event at 0",
                       "origin_realtime_us": origin, "sources": [os.path.abspath(p) for p in paths],
                       # the wrappers' parameters and settings (the same on every rank): see wrapper_info
                       "wrappers": next((d["otherData"]["wrappers"] for d in documents

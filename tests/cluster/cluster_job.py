@@ -10,6 +10,9 @@ Modes:
   fsdp         pydist.fully_shard (FULL_SHARD) and torch FSDP2, 3 Adam steps
   fault        pydist DDP (FAULT_WRAPPER=ddp_plain: on the bare group; fsdp: the sharded wrapper)
                stepping until the test faults a host; records the error
+  predict      pydist DDP recorded (PYDIST_TRACE=OUT_DIR/trace) at the cluster's link rate; then
+               rank 0 asks for SLOW_RATE (cluster_emulator.request_rate) and every rank times
+               steps at another bucket cap: what the predictor is held to
 """
 
 import hashlib
@@ -189,6 +192,42 @@ def run_fault(out: dict, out_path: str) -> None:
         out["steps"] = step
 
 
+def run_predict(out: dict, out_dir: str) -> None:
+    from pydist import cluster_emulator, overlap
+    from pydist.overlap import hooks
+
+    rank = dist.get_rank()
+    x, y = batch(0, rank, 256)
+
+    def step(ddp):
+        ddp.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+
+    # 4 x Linear(256, 256): 1.05 MB of gradients; buckets of unlike sizes (first cap below the cap)
+    directory = os.path.join(out_dir, "trace")
+    os.environ["PYDIST_TRACE"] = directory
+    try:
+        recorded = pydist.DistributedDataParallel(model_of(0, width=256), bucket_cap_mb=0.3, first_bucket_cap_mb=0.1)
+    finally:
+        del os.environ["PYDIST_TRACE"]
+    for _ in range(int(os.environ.get("RECORD_STEPS", "6"))):
+        dist.barrier()
+        step(recorded)
+    hooks.TraceSession.get(directory).write()
+    if rank == 0:
+        cluster_emulator.request_rate(os.environ["SLOW_RATE"])
+    dist.barrier()
+    measured = pydist.DistributedDataParallel(model_of(0, width=256), bucket_cap_mb=float(os.environ["MEASURE_CAP_MB"]))
+    overlap.record(measured)
+    for _ in range(2):  # the first rebuilds the buckets
+        step(measured)
+    overlap.reset(measured)
+    for _ in range(int(os.environ.get("MEASURE_STEPS", "4"))):
+        dist.barrier()
+        step(measured)
+    out["measured_ms"] = [r.finalize_end_ms for r in overlap.records(measured)]
+
+
 def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
     timeout = float(os.environ.get("JOB_TIMEOUT_S", "60"))
@@ -205,6 +244,8 @@ def main() -> None:
             run_fsdp(out)
         elif mode == "fault":
             run_fault(out, path)
+        elif mode == "predict":
+            run_predict(out, out_dir)
         out["ok"] = True
     except Exception:
         out["traceback"] = traceback.format_exc()

@@ -7,7 +7,9 @@ built on the meta device, ``fully_shard`` per block and on the root with a
 explicit forward and backward prefetch, AdamW with ``clip_grad_norm_``
 every step, a DTensor-API checkpoint (``full_tensor``) and a DCP one, and a
 resume into a fresh meta model with ``set_model_state_dict(...,
-broadcast_from_rank0=True)`` and ``set_optimizer_state_dict``. Each rank runs
+broadcast_from_rank0=True)`` and ``set_optimizer_state_dict``, and one through
+the DTensor API as torch's FSDP2 example resumes (the meta model's state
+dict, ``distribute_tensor``, ``load_state_dict(assign=True)``). Each rank runs
 it twice, once per ``fully_shard`` (torch's, pydist's), on the same seeds
 and data; losses, norms, parameters, optimizer state and checkpoints must be
 equal bit for bit (two ranks: every sum of two terms is exact in either
@@ -86,7 +88,7 @@ def _script(fully_shard, rank: int, ckpt_dir: str, mp, mesh) -> dict:
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     torch.manual_seed(0)
@@ -141,6 +143,16 @@ def _script(fully_shard, rank: int, ckpt_dir: str, mp, mesh) -> dict:
     set_model_state_dict(model, sd["model"])
     out["dcp_loaded"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
     out["losses"], out["norms"] = losses, norms
+    # resume through the DTensor API, as torch's FSDP2 example does: the meta model's state dict gives each
+    # parameter's mesh and placements, the full values are distributed and assigned, no to_empty
+    resumed = _build(fully_shard, mp, mesh)
+    meta_sd = resumed.state_dict()
+    out["meta_sd"] = {k: (str(v.device), tuple(v.shape), getattr(v, "placements", None)) for k, v in meta_sd.items()}
+    resumed.load_state_dict({k: nn.Parameter(distribute_tensor(full[k], v.device_mesh, v.placements))
+                             for k, v in meta_sd.items()}, strict=False, assign=True)
+    out["dtensor_resumed"] = {k: v.full_tensor() for k, v in resumed.state_dict().items()}
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    out["dtensor_resumed_loss"] = resumed(tokens).float().sum().item()
     return out
 
 
@@ -162,7 +174,8 @@ def _rank(rank, world_size, ckpt_dir, bf16, hsdp):
         results[name] = _script(fn, rank, d, mp, mesh)
     ref, got = results["torch"], results["pydist"]
     mismatches = []
-    for key in ("losses", "norms", "full", "full_osd", "after", "resumed", "resumed_losses", "dcp_loaded"):
+    for key in ("losses", "norms", "full", "full_osd", "after", "resumed", "resumed_losses", "dcp_loaded", "meta_sd",
+                "dtensor_resumed", "dtensor_resumed_loss"):
         _compare(ref[key], got[key], key, mismatches)
     return {"isinstance": got["isinstance"], "placements": got["placements"], "mismatches": mismatches}
 

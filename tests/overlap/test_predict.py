@@ -143,6 +143,9 @@ def test_errors_exit_2_naming_the_problem(recorded, tmp_path):
         ((directory, "--bucket-cap-mb", "0"), "--bucket-cap-mb must be > 0"),
         ((directory, "--recommend", "1,x"), "--recommend '1,x'"),
         ((directory, "--wrapper", "3"), "no settings of DDP wrapper 3"),
+        ((directory, "--recorded-link", "fast"), "--recorded-link: simulated network 'fast'"),
+        # the recording ran on one host behind a simulated link: no real link to name
+        ((directory, "--recorded-link", "1Gbps"), f"the recorded run had a simulated link ({LINK})"),
     ]
     old = tmp_path / "old"
     old.mkdir()

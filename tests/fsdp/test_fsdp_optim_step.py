@@ -1,0 +1,206 @@
+"""The optimizer step on ``fully_shard``'s DTensor parameters runs on their
+local shards, bitwise torch FSDP2's step through DTensor dispatch.
+
+Each rank trains torch's ``fully_shard`` model first, for every optimizer
+configuration, while pydist's local-shard step is not installed yet (it is
+installed by the first ``pydist.fully_shard``; the test checks it did not
+run), so torch's reference steps go through DTensor dispatch. Then pydist's
+model, same seeds and data, whose steps must go through the local shards
+(``LOCAL_SHARD_STEPS``). Each run: ``clip_grad_norm_`` before every step, a
+StepLR scheduler changing lr each step, an ``opt.state_dict()`` /
+``load_state_dict`` round trip into a new optimizer, and a
+``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` one into
+another. Compared bitwise: losses, norms, parameters, the optimizer state
+(values and that they stay DTensors of the parameter's placements). Also:
+groups mixing pydist's parameters with a plain one or with torch FSDP2's
+step through the DTensors, and a step that raises on the local shards leaves
+the optimizer's parameters and state the same objects. See
+[Note: the optimizer step on local shards] in pydist/fsdp/_optim_step.py.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pydist.spawn import run_ranks
+
+# (name, optimizer class, its arguments); foreach off and on, fused where the CPU has it.
+CONFIGS = [
+    ("sgd-momentum", "SGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01, foreach=False)),
+    ("sgd-nesterov-foreach", "SGD", dict(lr=0.05, momentum=0.9, nesterov=True, foreach=True)),
+    ("adam", "Adam", dict(lr=0.01, foreach=False)),
+    ("adam-foreach-amsgrad", "Adam", dict(lr=0.01, foreach=True, amsgrad=True)),
+    ("adam-fused", "Adam", dict(lr=0.01, fused=True)),
+    ("adamw", "AdamW", dict(lr=0.01, weight_decay=0.1)),
+    ("adamw-foreach", "AdamW", dict(lr=0.01, weight_decay=0.1, foreach=True)),
+]
+STEPS = 2  # per phase: fresh, after load_state_dict, after set_optimizer_state_dict
+
+
+def _model():
+    # Dim 0 of 5, 3 and 1: uneven chunks at 2 ranks, one rank's chunk empty.
+    return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+def _train(fully_shard, rank: int, config) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    name, cls, kwargs = config
+    torch.manual_seed(0)
+    model = _model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    g = torch.Generator().manual_seed(7 + rank)
+    out = {"losses": [], "norms": []}
+
+    def make_opt():
+        opt = getattr(torch.optim, cls)(model.parameters(), **kwargs)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+
+    def steps(opt, sched):
+        for _ in range(STEPS):
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            out["losses"].append(loss.detach())
+
+    opt, sched = make_opt()
+    steps(opt, sched)
+    saved, saved_sched = opt.state_dict(), sched.state_dict()
+    opt, sched = make_opt()
+    opt.load_state_dict(saved)
+    sched.load_state_dict(saved_sched)
+    steps(opt, sched)
+    osd, saved_sched = get_optimizer_state_dict(model, opt), sched.state_dict()
+    opt, sched = make_opt()
+    set_optimizer_state_dict(model, opt, osd)
+    sched.load_state_dict(saved_sched)
+    steps(opt, sched)
+    out["params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
+    state = {}
+    for i, s in opt.state_dict()["state"].items():
+        for k, v in s.items():
+            if isinstance(v, DTensor):
+                state[f"{i}.{k}.placements"] = v.placements == opt.param_groups[0]["params"][i].placements
+                v = v.full_tensor()
+            state[f"{i}.{k}"] = v
+    out["state"] = state
+    return out
+
+
+def _rank(rank, world_size):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import pydist
+    from pydist.fsdp._optim_step import LOCAL_SHARD_STEPS
+
+    ref = {c[0]: _train(torch_fully_shard, rank, c) for c in CONFIGS}
+    through_dtensors = sum(LOCAL_SHARD_STEPS.values())  # 0: not installed before pydist's first fully_shard
+    mismatches = []
+    local_steps = {}
+    for config in CONFIGS:
+        before = sum(LOCAL_SHARD_STEPS.values())
+        got = _train(pydist.fully_shard, rank, config)
+        local_steps[config[0]] = sum(LOCAL_SHARD_STEPS.values()) - before
+        _compare(ref[config[0]], got, config[0], mismatches)
+        placements = [k for k, v in got["state"].items() if k.endswith(".placements")]
+        if not placements or not all(got["state"][k] for k in placements):
+            mismatches.append(f"{config[0]}: state not DTensors of the parameters' placements")
+    return {"through_dtensors": through_dtensors, "local_steps": local_steps, "mismatches": mismatches,
+            "mixed_local_steps": _mixed_groups(torch_fully_shard, pydist.fully_shard),
+            "after_error": _failing_step(pydist.fully_shard)}
+
+
+def _failing_step(fully_shard) -> str:
+    """A step that raises inside torch's update on the local shards (an
+    ``exp_avg`` of another dtype) leaves the optimizer's parameters and
+    state the same objects, DTensors; "" or what differs."""
+    from torch.distributed.tensor import DTensor
+
+    from pydist.fsdp._optim_step import LOCAL_SHARD_STEPS
+
+    torch.manual_seed(0)
+    model = fully_shard(_model())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+        if not opt.state:
+            opt.step()
+    params = list(opt.param_groups[0]["params"])
+    p = params[0]
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].double()
+    state = {q: dict(opt.state[q]) for q in params}
+    before = LOCAL_SHARD_STEPS["adam"]
+    try:
+        opt.step()
+        return "the step did not raise"
+    except RuntimeError:
+        pass
+    if LOCAL_SHARD_STEPS["adam"] != before + 1:
+        return "the step that raised did not run on local shards"
+    if any(a is not b or type(a) is not DTensor for a, b in zip(opt.param_groups[0]["params"], params, strict=True)):
+        return "parameters"
+    if any(opt.state[q].keys() != state[q].keys() or any(opt.state[q][k] is not v for k, v in state[q].items())
+           for q in params) or not all(type(opt.state[q]["exp_avg"]) is DTensor for q in params):
+        return "state"
+    return ""
+
+
+def _mixed_groups(torch_fully_shard, pydist_fully_shard) -> list:
+    """Local-shard calls of one Adam step over pydist's parameters plus a
+    plain one, and plus torch FSDP2's: none (such groups step through the
+    DTensors, as without pydist)."""
+    from pydist.fsdp._optim_step import LOCAL_SHARD_STEPS
+
+    calls = []
+    models = []
+    for fully_shard in (pydist_fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        models.append(fully_shard(_model()))
+        models[-1](torch.randn(2, 6)).sum().backward()
+    plain = nn.Parameter(torch.zeros(3))
+    plain.grad = torch.ones(3)
+    for extra in ([plain], list(models[1].parameters())):
+        before = sum(LOCAL_SHARD_STEPS.values())
+        torch.optim.Adam([*models[0].parameters(), *extra]).step()
+        calls.append(sum(LOCAL_SHARD_STEPS.values()) - before)
+    return calls
+
+
+def _compare(a, b, what: str, mismatches: list) -> None:
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            mismatches.append(f"{what}: keys {sorted(a)} != {sorted(b)}")
+            return
+        for k in a:
+            _compare(a[k], b[k], f"{what}[{k}]", mismatches)
+    elif isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _compare(x, y, f"{what}[{i}]", mismatches)
+    elif isinstance(a, torch.Tensor):
+        if not (type(b) is type(a) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)):
+            mismatches.append(f"{what}: {a} != {b}")
+    elif a != b:
+        mismatches.append(f"{what}: {a} != {b}")
+
+
+@pytest.mark.timeout(150)
+def test_optimizer_step_on_local_shards_is_torch_fsdp2s_bitwise():
+    results = run_ranks(_rank, 2, timeout=120)
+    for rank, r in enumerate(results):
+        assert not r["mismatches"], f"rank {rank}: " + "; ".join(r["mismatches"][:8])
+        assert r["through_dtensors"] == 0, f"rank {rank}: torch's reference steps did not go through DTensors"
+        # Every step of every phase on local shards, and the step with zero
+        # gradients set_optimizer_state_dict takes to create the state (torch's
+        # _init_optim_state); SGD's first and that one, whose momentum buffers
+        # are still to be created, through the DTensors.
+        expected = {name: 3 * STEPS - 1 if cls == "SGD" else 3 * STEPS + 1 for name, cls, _ in CONFIGS}
+        assert r["local_steps"] == expected, f"rank {rank}"
+        assert r["mixed_local_steps"] == [0, 0], f"rank {rank}"
+        assert r["after_error"] == "", f"rank {rank}: {r['after_error']} changed by a step that raised"
