@@ -454,7 +454,7 @@ class _UnitStateDictHooks:
         pg = state.param_group if state is not None else None
         if pg is None or not pg.sharded:
             return None
-        if pg.dtensor and pg.materializing == "meta":
+        if pg.dtensor and pg.materializing is Materializing.META:
             # Still on meta: the state dict holds the meta DTensor parameters, as torch's, whose mesh and
             # placements FSDP2's DTensor-API resume reads to distribute a full checkpoint before a
             # load_state_dict(assign=True); a load without assign leaves them on meta, as torch's does.
