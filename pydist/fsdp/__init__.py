@@ -8,7 +8,10 @@
     pydist.fsdp.get_optimizer_state_dict(model, opt) # the optimizer's, sharded like the parameters
 
 One file per level, as torch's FSDP2 (torch/distributed/fsdp/_fully_shard/):
+_fsdp_common.py (the states and phases, as enums; state_of),
 _fsdp_param.py (one parameter), _fsdp_param_group.py (one unit),
+_fsdp_schedule.py (the root's schedule: batched gathers, the unshard pool,
+gather and reduce plans, runs of units),
 _fsdp_collectives.py (the collectives, through pydist.transport only),
 _fsdp_state.py (the hooks and the root's iteration), _fully_shard.py and
 _fully_sharded_data_parallel.py (the two front doors), _state_dict.py

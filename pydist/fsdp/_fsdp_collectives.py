@@ -105,7 +105,7 @@ class UnshardResult(NamedTuple):
 # reduce-scatters on its own (1,200 collectives a step). The root therefore
 # hands several consecutive units to the transport as one collective (how
 # many: the root's batch_bytes; see [Note: gather and reduce plans] in
-# _fsdp_state.py). The units' shards and unsharded buffers are separate
+# _fsdp_schedule.py). The units' shards and unsharded buffers are separate
 # buffers, so:
 #   all-gather       one ``Transport.all_gather_many``: this rank's shard is
 #                    the units' shards end to end [s_a s_b ...], and rank q's

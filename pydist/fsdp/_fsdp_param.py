@@ -58,13 +58,10 @@ afterwards every shard is 1-D. A ``.grad`` the parameter held is dropped.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-
-if TYPE_CHECKING:
-    from pydist.fsdp._fsdp_param_group import Column
 
 __all__ = ["FSDPParam", "ParamModuleInfo", "as_dtensor", "dtensor_spec"]
 
@@ -154,7 +151,7 @@ class FSDPParam:
     """
 
     def __init__(self, param: nn.Parameter, infos: list[ParamModuleInfo], fqn: str, offset: int,
-                 shard: torch.Tensor, column: "Column", rank: int, spec=None):
+                 shard: torch.Tensor, column, rank: int, spec=None):
         # Where the parameter is registered (more than one place when shared
         # within the unit); the unit swaps all of them (its _sharded_regs,
         # _unsharded_regs).
@@ -165,8 +162,8 @@ class FSDPParam:
         self.numel = param.numel()
         self.requires_grad = param.requires_grad
         # Its first element's index in the unit's unsharded buffer, and the
-        # column of the unit's layout it lies in (see [Note: a unit's
-        # layout] in _fsdp_param_group.py).
+        # column of the unit's layout it lies in (a _fsdp_param_group.Column:
+        # see [Note: a unit's layout] in _fsdp_param_group.py).
         self.offset = offset
         self.column = column
         # This rank's part of it, [lo, hi) of its flattened elements: at

@@ -48,9 +48,9 @@ and all-gathers into it, so backward reads the re-gathered values through
 the saved views (the version counters are left alone: see
 ``all_gather_unit``).
 
-The memory comes from the root's pool (``UnshardPool``): POOL_SLOTS = 2
+The memory comes from the root's pool (``UnshardPool``, _fsdp_schedule.py): POOL_SLOTS = 2
 slots, prefetch depth + 1 (the batch being computed and the one the root's
-plan gathers ahead; see [Note: gather and reduce plans] in _fsdp_state.py).
+plan gathers ahead; see [Note: gather and reduce plans] in _fsdp_schedule.py).
 A slot is one allocation that grows within an iteration (to the largest
 batch it held), and a batch of units gathered as one collective shares one
 slot, each unit's storage pointing at its offset without owning it
@@ -105,7 +105,7 @@ device's:
     group's: a batched all-gather copies its output out on the waiting
     thread after the group's wait (csrc/transport/transport.cpp,
     ``Transport::all_gather_many``), and a reduce batch never reuses an
-    earlier batch's device input (``GradBatch._input_for``).
+    earlier batch's device input (``GradBatch.input_for``).
 Communication overlaps compute where the group runs it on its own stream
 (NCCL); the packing copies and casts run on the compute stream. Packing a
 unit's gradients is one ATen op per cut on the device (``pack_rank_major``
@@ -133,10 +133,11 @@ import torch.nn as nn
 from pydist import _C
 from pydist.fsdp import _clip_grad as clip_grad
 from pydist.fsdp import _fsdp_collectives as collectives
+from pydist.fsdp._fsdp_common import Materializing, Phase, ShardedState, TrainingState
 from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo, dtensor_spec
 
-__all__ = ["FSDPParamGroup", "Layout", "Column", "TrainingState", "ShardedState", "CollectiveRecord", "GradBatch", "unshard_units",
-           "UnshardPool", "PoolSlot", "POOL_SLOTS", "ReduceLayout"]
+__all__ = ["FSDPParamGroup", "Layout", "Column", "Phase", "Materializing", "TrainingState", "ShardedState",
+           "CollectiveRecord", "ReplicaReduce"]
 
 
 class Layout(enum.Enum):
@@ -185,7 +186,7 @@ class CollectiveRecord(NamedTuple):
 
     unit: str  # the unit's module name under the root ("" for the root)
     kind: str  # "all_gather" or "reduce_scatter"
-    phase: str  # all-gathers: "forward", "backward", "forward_prefetch", "backward_prefetch", "explicit"; "backward"
+    phase: str  # a Phase's value: an all-gather's; "backward" for reductions
     issued_ns: int  # handed to the transport
     needed_ns: int  # the compute thread began waiting for it
     completed_ns: int  # the transport finished it (-1: not stamped)
@@ -194,25 +195,6 @@ class CollectiveRecord(NamedTuple):
     def exposed_ns(self) -> int:
         """How long the compute thread waited for it."""
         return max(0, self.completed_ns - self.needed_ns) if self.completed_ns >= 0 else 0
-
-
-class TrainingState(enum.Enum):
-    """Where a unit is in an iteration."""
-
-    IDLE = enum.auto()  # between iterations (or not yet run this one)
-    FORWARD = enum.auto()  # its module's forward is running
-    PRE_BACKWARD = enum.auto()  # unsharded for its backward
-    POST_BACKWARD = enum.auto()  # its gradients are reduced or being reduced this backward
-    SUMMONED = enum.auto()  # full parameters on the modules for summon_full_params (_unshard_params.py)
-
-
-class ShardedState(enum.Enum):
-    SHARDED = enum.auto()  # the shard only; the unsharded buffer has no memory
-    UNSHARDING = enum.auto()  # all-gather in flight into the unsharded buffer
-    UNSHARDED = enum.auto()  # full parameters registered on the modules
-    # Gathered and kept from its forward for its backward, the shards on the
-    # modules meanwhile (see [Note: gather and reduce plans] in _fsdp_state.py)
-    KEPT = enum.auto()
 
 
 # The states the hot paths test by identity.
@@ -253,9 +235,10 @@ class FSDPParamGroup:
                     + "; pydist shards a unit whose parameters are all on one CPU or CUDA device, or all on the meta "
                     "device (see [Note: a unit built on the meta device])"
                 )
-        # See [Note: a unit built on the meta device]: "meta" until
-        # to_empty, "full" until the unit's first use, then None.
-        self.materializing: str | None = "meta" if {d.type for d in devices} == {"meta"} else None
+        # See [Note: a unit built on the meta device]: META until
+        # to_empty, FULL (LOCAL) until the unit's first use, then None.
+        self.materializing: Materializing | None = (Materializing.META if {d.type for d in devices} == {"meta"}
+                                                    else None)
         # Where the shard, the unsharded buffer and the gradients live: the
         # parameters' device (a meta unit's: the one to_empty gives it).
         self.device: torch.device = next(iter(devices), torch.device("cpu"))
@@ -339,7 +322,7 @@ class FSDPParamGroup:
             None if sharded else [fp.unsharded_param for fp in self.fsdp_params])
         # The _C.GradPack of those gradients, once they exist (sharded units):
         # what a closed output gate packs in a run (see [Note: runs of units]
-        # in _fsdp_state.py).
+        # in _fsdp_schedule.py).
         self._grad_pack = None
         self._accumulating = False
         # The trainable parameters (_take_up_requires_grad); every
@@ -389,7 +372,7 @@ class FSDPParamGroup:
         self._grads_for: list[FSDPParam] | None = None
         self.requires_gradient_sync = True
         # The all-gather in flight while UNSHARDING (an UnshardResult), and
-        # (issued_ns, phase) for its record.
+        # (issued_ns, its Phase's value) for its record.
         self._unshard_future = None
         self._unshard_issue: tuple[int, str] = (0, "")
         # This iteration's collectives (the root clears them at its pre-forward),
@@ -407,14 +390,14 @@ class FSDPParamGroup:
         # Set by the root's reduce plan for this backward: the units whose
         # gradients go as one reduce-scatter with this one's (None: alone).
         # See [Note: batched collectives] in _fsdp_collectives.py.
-        self.grad_batch: GradBatch | None = None
+        self.grad_batch = None  # a _fsdp_schedule.GradBatch
         # Gathered ahead by the root's plan and not yet used: the root
         # reshards it if its forward does not come (see [Note: gather and
-        # reduce plans] in _fsdp_state.py).
+        # reduce plans] in _fsdp_schedule.py).
         self.gathered_ahead = False
         # In the last batch the root's forward plan gathers: its post-forward
         # leaves it KEPT, not SHARDED, as backward needs it first (see [Note:
-        # gather and reduce plans] in _fsdp_state.py).
+        # gather and reduce plans] in _fsdp_schedule.py).
         self.keep_for_backward = False
         # Set by the root at its lazy init: the nearest unit whose module
         # contains this one's, the root aside (None: none).
@@ -424,16 +407,18 @@ class FSDPParamGroup:
         # (it keeps its parameters from forward to backward). See [Note: the
         # unsharded buffer's memory]. The slot the unsharded buffer points
         # into while unsharded (None: it owns its memory, or has none).
-        self.pool: UnshardPool | None = None
+        self.pool = None  # a _fsdp_schedule.UnshardPool
         self.is_root = False
-        self._slot: PoolSlot | None = None
+        self._slot = None  # a _fsdp_schedule.PoolSlot
         # unshard_units' lists of the batch this unit heads: (the units,
         # their shards, their buffers, the buffers' per-rank views rank-major).
         self._gather_lists: tuple | None = None
         # The run of units this unit's backward is handled with this
-        # iteration (a _fsdp_state.UnitRun; None: alone), and the output hook
-        # of the unit before it in the run, until its post-forward links
-        # them. See [Note: runs of units] in _fsdp_state.py.
+        # iteration (a _fsdp_schedule.UnitRun; None: alone), and the output
+        # hook of the unit before it in the run, until its post-forward links
+        # them. The schedule's state, kept here for the hooks to read: only
+        # _fsdp_schedule.py writes them (Schedule.plan_forward / extend_run,
+        # UnitRun). See [Note: runs of units] in _fsdp_schedule.py.
         self.run = None
         self._run_link = None
 
@@ -519,13 +504,13 @@ class FSDPParamGroup:
     #     opt = torch.optim.AdamW(model.parameters())
     # torch's sharded parameters are DTensors of the full shape, so the init
     # runs on them (kaiming needs the shape). pydist's are 1-D pieces of the
-    # flat layout, so a meta unit goes through two states first:
-    #   "meta"  fully_shard leaves the module's full-size meta parameters in
+    # flat layout, so a meta unit goes through two states (``Materializing``) first:
+    #   META    fully_shard leaves the module's full-size meta parameters in
     #           place and makes a meta shard (no memory);
-    #   "full"  to_empty (Module._apply: after_apply) creates full-size CPU
+    #   FULL    to_empty (Module._apply: after_apply) creates full-size CPU
     #           parameters on the modules, which this unit adopts as its
     #           sharded parameters; the user's init fills them, the optimizer
-    #           takes them;
+    #           takes them (a DTensor unit: LOCAL, each rank's chunks);
     #   None    at the unit's first use (the root's lazy init, a state dict,
     #           unshard) shard_materialized lays them out flat, keeps this
     #           rank's shard, and points each of those same Parameter objects
@@ -578,11 +563,11 @@ class FSDPParamGroup:
             fp.sharded_param = p
             fp.requires_grad = p.requires_grad
             if p.device.type != "meta":
-                if self.materializing == "full" and p.device != self.device:
+                if self.materializing is Materializing.FULL and p.device != self.device:
                     raise NotImplementedError(
                         f"pydist.fully_shard({self.label}): parameter {fp.fqn} was materialized on {p.device}, others "
                         f"of its unit on {self.device}; a unit's parameters live on one device")
-                self.materializing = "full"
+                self.materializing = Materializing.FULL
                 self.device = p.device
         self._sharded_regs = self._registrations("sharded_param")
         self._take_up_requires_grad()
@@ -592,7 +577,7 @@ class FSDPParamGroup:
         a move or cast) may have put new DTensor parameters on the modules,
         or new local tensors in the old ones (``swap_tensors``). Each becomes
         the sharded parameter; its local values go into the shard (a unit
-        still on the meta device: "local", sharded at its first use). As
+        still on the meta device: LOCAL, sharded at its first use). As
         torch FSDP2's ``reset_sharded_param``. See [Note: DTensor parameters]
         in _fsdp_param.py."""
         from torch.distributed.tensor import DTensor
@@ -624,7 +609,7 @@ class FSDPParamGroup:
                 fp.sharded_param = p
                 changed = True
             if self.materializing is not None:
-                self.materializing = "local"
+                self.materializing = Materializing.LOCAL
                 self.device = local.device
             elif local.data_ptr() != (view := fp.local_view(self.shard)).data_ptr():
                 with torch.no_grad():
@@ -643,13 +628,13 @@ class FSDPParamGroup:
         the meta device]."""
         if self.materializing is None:
             return
-        if self.materializing == "meta":
+        if self.materializing is Materializing.META:
             raise RuntimeError(
                 f"pydist.fully_shard({self.label}): the unit's parameters are still on the meta device; call "
                 "module.to_empty(device='cpu') on the root and initialize the parameters (e.g. reset_parameters(), "
                 "or load a state dict) before its first forward, state dict or unshard"
             )
-        if self.materializing == "local":  # each rank has its pieces only: see [Note: DTensor parameters]
+        if self.materializing is Materializing.LOCAL:  # each rank has its pieces only: see [Note: DTensor parameters]
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
                 for fp in self.fsdp_params:
@@ -665,37 +650,49 @@ class FSDPParamGroup:
 
     # --- unshard / wait_for_unshard / reshard ---------------------------------
 
-    def unshard(self, phase: str = "explicit", pooled: bool = False) -> None:
+    def unshard(self, phase: Phase = Phase.EXPLICIT, pooled: bool = False) -> None:
         """Starts the all-gather of the unit's parameters (no-op unless
         SHARDED); ``pooled``: into a pool slot when one is free and the unit
         may borrow one (see [Note: the unsharded buffer's memory])."""
         if self.sharded_state != ShardedState.SHARDED:
             return
+        if self.transport is None:
+            self._check_transport("unshard")
         slot = None
         if pooled and self.may_borrow(phase):
             slot = self.pool.take(self.unsharded_nbytes)
-        self._begin_unshard(phase, time.monotonic_ns(), slot, 0)
+            if slot is not None:
+                slot.place(self, 0)
+        self.begin_unshard((time.monotonic_ns(), phase.value), slot)
         shard = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
         self._unshard_future = self.gather(shard, self.unsharded)
 
-    def may_borrow(self, phase: str) -> bool:
+    def may_borrow(self, phase: Phase) -> bool:
         """Whether an unshard in ``phase`` may take pool memory: the unit
         reshards at the end of that phase. See [Note: the unsharded buffer's memory]."""
         if self.pool is None:
             return False
-        if phase.startswith("forward"):
+        if phase.in_forward:
             return self.reshard_after_forward and not self.is_root
-        return phase.startswith("backward") and self.reshard_after_backward
+        return phase.in_backward and self.reshard_after_backward
 
-    def _begin_unshard(self, phase: str, issued_ns: int, slot: "PoolSlot | None", offset: int) -> None:
-        if self.transport is None:
-            self._check_transport("unshard")
-        if slot is not None:
-            slot.place(self, offset)
-        else:
+    def begin_unshard(self, issue: tuple[int, str], slot=None, batched: bool = False) -> None:
+        """Its all-gather is about to be issued (``issue``: (issued_ns, the
+        Phase's value), for its record): the unsharded buffer gets memory,
+        ``slot``'s where a pool slot placed it (see [Note: the unsharded
+        buffer's memory]), else its own; ``batched``: as one of a batch
+        (``_fsdp_schedule.unshard_units``), which copies into its per-rank views."""
+        self._slot = slot
+        if slot is None:
             self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
-        self._unshard_issue = (issued_ns, phase)
+        self._unshard_issue = issue
         self.sharded_state = _UNSHARDING
+        if batched and self.rank_views is None:
+            self.rank_views = self.cut_views(self.unsharded)
+
+    def gathering(self, future) -> None:
+        """``future``: the all-gather just issued for it (and its batch)."""
+        self._unshard_future = future
 
     def _leave_pool(self) -> None:
         """Moves the unsharded buffer out of its pool slot into memory of its
@@ -705,6 +702,7 @@ class FSDPParamGroup:
         if slot is None:
             return
         values = self.unsharded.untyped_storage().clone()
+        self._slot = None
         slot.give_back(self)
         storage = self.unsharded.untyped_storage()
         storage.resize_(self.unsharded_nbytes)
@@ -733,15 +731,14 @@ class FSDPParamGroup:
             record = ("all_gather", phase, issued, time.monotonic_ns(), completed)
             for pg in mates:
                 if pg._unshard_future is future:
-                    pg._unshard_future = None
-                    pg._timings.append(record)
-                    regs = pg._unsharded_regs
-                    if regs is None:
-                        pg._register_unsharded()
-                    else:
-                        for params, tensors in regs:
-                            params.update(tensors)
-                        pg.sharded_state = _UNSHARDED
+                    pg._gathered(record)
+
+    def _gathered(self, record: tuple) -> None:
+        """The batch's all-gather (``record``) that another unit waited for is
+        done: the full parameters go on this unit's modules."""
+        self._unshard_future = None
+        self._timings.append(record)
+        self._register_unsharded()
 
     def _register_unsharded(self) -> None:
         """The all-gather is done: the full parameters go on the modules."""
@@ -755,14 +752,14 @@ class FSDPParamGroup:
         _register(self._unsharded_regs)
         self.sharded_state = ShardedState.UNSHARDED
 
-    def wait_for_unshard(self, phase: str = "explicit") -> None:
+    def wait_for_unshard(self, phase: Phase = Phase.EXPLICIT) -> None:
         """Waits for the all-gather and registers the full parameters on the modules."""
         if self.sharded_state is ShardedState.KEPT:  # gathered already (its backward, a recompute)
             _register(self._unsharded_regs)
             self.sharded_state = ShardedState.UNSHARDED
             return
         if self.sharded_state == ShardedState.SHARDED:
-            self.unshard(phase, pooled=phase != "explicit")
+            self.unshard(phase, pooled=phase is not Phase.EXPLICIT)
         if self.sharded_state == ShardedState.UNSHARDING:
             self._wait_all_gather()
             self._register_unsharded()
@@ -778,6 +775,7 @@ class FSDPParamGroup:
             params.update(tensors)
         slot = self._slot
         if slot is not None:
+            self._slot = None
             slot.give_back(self)
         else:
             _C.point_storage_at_nothing(self.unsharded)
@@ -788,8 +786,11 @@ class FSDPParamGroup:
     # --- the iteration ---------------------------------------------------------
 
     def pre_forward(self) -> None:
-        self.training_state = TrainingState.FORWARD
-        self.wait_for_unshard("forward")
+        """Its forward came (a plan that gathered it ahead is answered): FORWARD, unsharded."""
+        self.gathered_ahead = False
+        self.training_state = _FORWARD
+        if self.sharded_state is not _UNSHARDED:
+            self.wait_for_unshard(Phase.FORWARD)
 
     def post_forward(self, reshard: bool) -> None:
         if self.keep_for_backward:
@@ -808,7 +809,7 @@ class FSDPParamGroup:
 
     def pre_backward(self) -> bool:
         """Unshards for this unit's backward; False when it already did this backward."""
-        if self.training_state == TrainingState.POST_BACKWARD:
+        if self.training_state is _POST_BACKWARD:
             # Its gradients were packed and reduced already, so the backward
             # reaching it now would read resharded parameters, and its
             # gradients would miss this use.
@@ -818,11 +819,12 @@ class FSDPParamGroup:
                 "forwards summed into one loss), which is not supported: fully_shard a module that runs once per "
                 "backward (e.g. the parent of the reused one), or call backward after each forward"
             )
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        self.gathered_ahead = False  # its backward came
+        if self.training_state is _PRE_BACKWARD:
             return False
-        self.training_state = TrainingState.PRE_BACKWARD
-        if self.sharded_state is not ShardedState.UNSHARDED:
-            self.wait_for_unshard("backward")
+        self.training_state = _PRE_BACKWARD
+        if self.sharded_state is not _UNSHARDED:
+            self.wait_for_unshard(Phase.BACKWARD)
         return True
 
     # [Note: the per-gradient seam]
@@ -906,12 +908,12 @@ class FSDPParamGroup:
     def aimed_grad_pack(self):
         """At a run's start: this unit's _C.GradPack aimed at its column of
         its reduce batch, where its post-backward would take the common case
-        (the one C++ call); else None. See [Note: runs of units] in _fsdp_state.py."""
+        (the one C++ call); else None. See [Note: runs of units] in _fsdp_schedule.py."""
         batch = self.grad_batch
         pack = self._grad_pack
         if pack is None or batch is None or batch.launched or not self.requires_gradient_sync or self._accumulating:
             return None
-        pack.aim(batch._input_for(self), batch.world_size, batch.columns[id(self)], batch.copy_scale)
+        pack.aim(batch.input_for(self), batch.world_size, batch.columns[id(self)], batch.copy_scale)
         return pack
 
     def finish_packed(self) -> bool:
@@ -927,7 +929,7 @@ class FSDPParamGroup:
         self.training_state = _POST_BACKWARD
         batch, self.grad_batch = self.grad_batch, None
         self.had_grad = pack.take_had()
-        batch._arrive(self)
+        batch.arrive(self)
         self._reshard_after_backward()
         return True
 
@@ -940,19 +942,12 @@ class FSDPParamGroup:
     def _grads_to_reduce(self) -> list:
         """Per parameter, the gradient to reduce, in reduce_dtype and
         contiguous, or None (no gradient this backward: zeros)."""
-        if self._all_trainable:  # the common case: every gradient there, as it is
-            grads = [fp.grad_to_reduce() for fp in self.fsdp_params]
-            dtype = self.reduce_dtype
-            for g in grads:
-                if g is None or g.dtype != dtype or not g.is_contiguous():
-                    break
-            else:
-                return grads
+        dtype = self.reduce_dtype
         grads = []
         for fp in self.fsdp_params:
             grad = fp.grad_to_reduce()
-            if grad is not None:
-                grad = grad.to(self.reduce_dtype).contiguous()  # no copy when it already is
+            if grad is not None and (grad.dtype != dtype or not grad.is_contiguous()):
+                grad = grad.to(dtype).contiguous()
             grads.append(grad)
         return grads
 
@@ -984,7 +979,7 @@ class FSDPParamGroup:
                 needed = time.monotonic_ns()
                 completed = reduce.future.wait()
                 kind = "reduce_scatter" if self.sharded else "all_reduce"
-                self._timings.append((kind, "backward", self._reduce_issued, needed, completed))
+                self._timings.append((kind, Phase.BACKWARD.value, self._reduce_issued, needed, completed))
             if replica is None or not replica.held:  # held (set_requires_all_reduce(False)): no .grad now
                 if self.all_reduce_hook is not None and self.sharded:
                     self.all_reduce_hook(reduce.output)
@@ -1099,6 +1094,75 @@ class FSDPParamGroup:
         for fp in self._trainable if self._grads_for is None else self._grads_for:
             params.append(fp.sharded_param)
             offsets.append(base + fp._grad_offset)
+
+    # --- what the root and its schedule tell the unit ---------------------------
+
+    def join_root(self, label: str, enclosing: FSDPParamGroup | None, transport, replicate_transport, pool,
+                  is_root: bool) -> None:
+        """The root's lazy init: the unit's place under the root (``label``),
+        the nearest unit around it, the transports and the unshard pool every
+        unit of the root shares, and whether it is the root's own unit."""
+        self.label = label
+        self.enclosing = enclosing
+        self.transport = transport
+        self.replicate_transport = replicate_transport if self.sharded else None
+        self.pool = pool
+        self.is_root = is_root
+
+    def begin_iteration(self) -> None:
+        """The root's pre-forward: this iteration's records start empty, and
+        what a backward that failed before its final callback left is dropped."""
+        self._timings = []
+        self.had_grad = None
+
+    def record(self, records: list) -> None:
+        """Collectives of a batch it was reduced in: their records."""
+        self._timings += records
+
+    def mark_gathered_ahead(self, keep_for_backward: bool = False) -> None:
+        """The root's plan gathered it ahead of its use (see [Note: gather and
+        reduce plans] in _fsdp_schedule.py); ``keep_for_backward``: in the
+        forward's last batch, kept unsharded for the backward after its forward."""
+        self.gathered_ahead = True
+        if keep_for_backward:
+            self.keep_for_backward = True
+
+    def join_grad_batch(self, batch) -> None:
+        """The root's reduce plan for this backward: the GradBatch its
+        gradients go in (None: alone)."""
+        self.grad_batch = batch
+
+    def take_grads_everywhere(self) -> bool:
+        """The root found that every parameter of every unit had a gradient
+        on some rank: ``take_grads_anywhere``'s common case. Returns whether
+        the unit hands out exactly its trainable shards."""
+        self.had_grad = None
+        self._grads_for = None if self._all_trainable else self.fsdp_params
+        return self._all_trainable
+
+    def fold_partial(self, piece: torch.Tensor, held: bool) -> None:
+        """HSDP: ``piece`` is its reduce-scattered shard of this backward;
+        ``held`` (set_requires_all_reduce(False)): summed into ``_partial``
+        rather than all-reduced; else what is held is added to it first, as
+        torch orders the additions. See [Note: HSDP]."""
+        if held:
+            self._partial = piece.clone() if self._partial is None else self._partial.add_(piece)
+        elif self._partial is not None:
+            piece.add_(self._partial)
+            self._partial = None
+
+    def begin_summon(self) -> None:
+        """summon_full_params put its full parameters on the modules (see
+        [Note: summoning full parameters] in _unshard_params.py)."""
+        self.training_state = TrainingState.SUMMONED
+
+    def end_summon(self) -> None:
+        self.training_state = _IDLE
+
+    def forget_built_values(self) -> None:
+        """A state dict loaded into it replaces what was built: see [Note:
+        every rank builds the same model] in _fsdp_state.py."""
+        self.built_digests = None
 
     # --- helpers -------------------------------------------------------------
 
@@ -1228,214 +1292,6 @@ def _register(regs: list) -> None:
         params.update(tensors)
 
 
-def unshard_units(groups: Sequence[FSDPParamGroup], phase: str) -> None:
-    """Starts the all-gather of the SHARDED units among ``groups`` (which
-    ``batches_with`` one another) as one collective; one unit alone takes
-    ``unshard``. See [Note: batched collectives] in _fsdp_collectives.py."""
-    groups = [g for g in groups if g.sharded_state is _SHARDED]
-    if len(groups) <= 1:
-        for g in groups:
-            g.unshard(phase, pooled=True)
-        return
-    first = groups[0]
-    if first.transport is None:
-        first._check_transport("unshard")
-    # The members that may borrow (see may_borrow) share one slot, end to
-    # end, each aligned; the others own their memory. See [Note: the
-    # unsharded buffer's memory].
-    borrowers, offsets, nbytes = [], [], 0
-    if first.pool is not None:
-        forward = phase.startswith("forward")
-        backward = not forward and phase.startswith("backward")
-        for g in groups:
-            if (g.reshard_after_forward and not g.is_root) if forward else (backward and g.reshard_after_backward):
-                borrowers.append(g)
-                offsets.append(nbytes)
-                nbytes += -(-g.unsharded_nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
-    cached = first._gather_lists  # see below
-    if cached is not None and cached[0] != groups:
-        cached = None
-    slot = first.pool.take(nbytes) if borrowers else None
-    if slot is not None:
-        slot.place_all(borrowers, offsets,
-                       cached[2] if cached is not None and len(borrowers) == len(groups) else None)
-    issue = (time.monotonic_ns(), phase)
-    for g in groups:
-        if g._slot is None:
-            g.unsharded.untyped_storage().resize_(g.unsharded_nbytes)
-        g._unshard_issue = issue
-        g.sharded_state = _UNSHARDING
-        if g.rank_views is None:
-            g.rank_views = g.cut_views(g.unsharded)
-    # The same units gather as one batch every iteration: their tensors'
-    # lists are made once (the shards, buffers and views are the units' for good).
-    if cached is None:
-        cached = first._gather_lists = (groups, [cut for g in groups for cut in g.shard_cuts(g.shard)],
-                                        tuple(g.unsharded for g in groups),
-                                        collectives.rank_major([g.rank_views for g in groups], first.world_size))
-    future = collectives.all_gather_units(first.transport, cached[1], cached[2], cached[3], first.compute_dtype)
-    future.members = groups  # the first wait unshards them all: see _wait_all_gather
-    for g in groups:
-        g._unshard_future = future
-
-
-# The unshard pool's slots: prefetch depth + 1 (the batch computing and the
-# one gathered ahead). See [Note: the unsharded buffer's memory].
-POOL_SLOTS = 2
-# Where in a slot each unit of a batch starts: a multiple of this many bytes
-# (a cache line, and any dtype's element size).
-_SLOT_ALIGN = 64
-
-
-class PoolSlot:
-    """One slot of an ``UnshardPool``: memory that the unsharded buffers of
-    one batch of units point into while unsharded. Taken whole (``take``)
-    while no unit points into it; each unit is placed at its offset
-    (``place``) and gives its part back at reshard (``give_back``); free
-    again once the last has. See [Note: the unsharded buffer's memory]."""
-
-    def __init__(self, index: int, device: torch.device):
-        self.index = index
-        self.device = device  # the root's units' device
-        self.memory: torch.Tensor | None = None  # uint8; grows within an iteration; freed by UnshardPool.release
-        self.base = 0  # the memory's address
-        # The units pointing into it now: id -> (unit, offset in bytes).
-        self.users: dict[int, tuple[FSDPParamGroup, int]] = {}
-        self.taken = False  # handed out by the pool, not yet free again
-        # Where the last unit placed since the take ends: a batch's units are
-        # placed end to end, in order, so a placement before it overlaps one.
-        self.placed_end = 0
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.memory is None else self.memory.numel()
-
-    def take(self, nbytes: int) -> None:
-        if self.taken or self.users:
-            raise RuntimeError(
-                f"pydist FSDP unshard pool: slot {self.index} handed out again while units "
-                f"{[pg.label for pg, _ in self.users.values()]} still point into it; their parameters would be "
-                "overwritten by another unit's. This is a bug in pydist: please report it"
-            )
-        if self.nbytes < nbytes:
-            self.memory = None  # no unit points into it: free the old memory first
-            self.memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.base = self.memory.data_ptr()
-        self.taken = True
-        self.placed_end = 0
-
-    def place(self, pg: FSDPParamGroup, offset: int) -> None:
-        """Points ``pg``'s unsharded buffer at ``[offset, offset + its bytes)``."""
-        end = offset + pg.unsharded_nbytes
-        if not self.taken or offset < self.placed_end:
-            raise RuntimeError(
-                f"pydist FSDP unshard pool: unit {pg.label!r} placed at bytes [{offset}, {end}) of slot "
-                f"{self.index}, " + (f"before the end of the last unit placed ({self.placed_end})" if self.taken
-                                     else "which is not taken") + "; this is a bug in pydist"
-            )
-        _C.point_storage_into(pg.unsharded, self.memory, offset)
-        self.placed_end = end
-        self.users[id(pg)] = (pg, offset)
-        pg._slot = self
-
-    def place_all(self, groups: list[FSDPParamGroup], offsets: list[int], buffers=None) -> None:
-        """``place`` of each of ``groups`` at its offset (ascending), in one
-        C++ call; ``buffers``: their unsharded buffers, where the caller has them."""
-        if not self.taken or (offsets and offsets[0] < self.placed_end):
-            raise RuntimeError(
-                f"pydist FSDP unshard pool: units {[pg.label for pg in groups]} placed in slot {self.index} "
-                + ("before the end of the last unit placed" if self.taken else "which is not taken")
-                + "; this is a bug in pydist"
-            )
-        _C.point_storages_into(buffers or [pg.unsharded for pg in groups], self.memory, offsets)
-        users = self.users
-        for pg, offset in zip(groups, offsets):
-            users[id(pg)] = (pg, offset)
-            pg._slot = self
-        self.placed_end = offsets[-1] + groups[-1].unsharded_nbytes
-
-    def give_back(self, pg: FSDPParamGroup) -> None:
-        """``pg`` reshards: its storage holds nothing again; the slot is free
-        once no unit is left in it."""
-        _, offset = self.users.pop(id(pg))
-        expected = self.base + offset
-        actual = _C.point_storage_at_nothing(pg.unsharded)
-        pg._slot = None
-        if not self.users:
-            self.taken = False
-        if actual != expected:
-            raise RuntimeError(
-                f"pydist FSDP unit {pg.label!r}: its unsharded storage was re-pointed (at {actual:#x}, its place in "
-                f"unshard pool slot {self.index} is {expected:#x}) while unsharded; something outside pydist "
-                "resized or swapped the storage of an unsharded parameter"
-            )
-
-
-class UnshardPool:
-    """The memory a root's units unshard into: POOL_SLOTS ``PoolSlot``s.
-    See [Note: the unsharded buffer's memory]."""
-
-    def __init__(self, device: torch.device = torch.device("cpu"), num_slots: int = POOL_SLOTS):
-        self.slots = [PoolSlot(i, device) for i in range(num_slots)]
-
-    def take(self, nbytes: int) -> PoolSlot | None:
-        """A free slot of at least ``nbytes`` (one that already is, else a
-        free one grown), or None when every slot is taken."""
-        free = [slot for slot in self.slots if not slot.taken]
-        if not free:
-            return None
-        slot = next((s for s in free if s.nbytes >= nbytes), free[0])
-        slot.take(nbytes)
-        return slot
-
-    def release(self) -> None:
-        """Frees the memory of every slot no unit points into: the root calls
-        it when an iteration's unsharding is over (the end of backward; a
-        forward without grad), so the pool holds nothing between iterations."""
-        for slot in self.slots:
-            if not slot.taken:
-                slot.memory = None
-                slot.base = 0
-
-    @property
-    def nbytes(self) -> int:
-        """What the slots hold now."""
-        return sum(slot.nbytes for slot in self.slots)
-
-
-class ReduceLayout:
-    """Where the units of one reduce batch lie in its rank-major input (see
-    [Note: batched collectives]): each member's column in a row, and the
-    row's length. The root's reduce plan keeps it across iterations while
-    the batches it cuts stay the same (see _plan_backward in _fsdp_state.py),
-    with what finalize hands out in the common case."""
-
-    __slots__ = ("members", "columns", "row", "hand_out")
-
-    def __init__(self, members: list[FSDPParamGroup]):
-        self.members = members
-        self.columns: dict[int, int] = {}
-        row = 0
-        for pg in members:
-            self.columns[id(pg)] = row
-            row += pg.shard_numel
-        self.row = row
-        # (FSDPParamGroup.trainable_epoch, then the shards and offsets that
-        # _hand_out_grads gives them): when every member arrived and hands
-        # its trainable shards a .grad, while no unit's trainable list changed.
-        self.hand_out: tuple | None = None
-
-    def trainable_hand_out(self) -> tuple[list, list]:
-        """The shards and offsets when every member hands out its trainable shards."""
-        cached = self.hand_out
-        if cached is None or cached[0] != FSDPParamGroup.trainable_epoch:
-            params, offsets = [], []
-            for pg in self.members:
-                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
-            self.hand_out = cached = (FSDPParamGroup.trainable_epoch, params, offsets)
-        return cached[1], cached[2]
-
-
 # [Note: HSDP]
 # fully_shard over a 2-D ("replicate", "shard") mesh, FSDP1's HYBRID_SHARD
 # and _HYBRID_SHARD_ZERO2: a unit is sharded over the shard group (its
@@ -1468,7 +1324,7 @@ class ReplicaReduce:
         """``members``: (unit, where its shard starts in ``output``)."""
         needed = time.monotonic_ns()
         completed = scattered.wait()
-        self.scatter_record = ("reduce_scatter", "backward", issued_ns, needed, completed)
+        self.scatter_record = ("reduce_scatter", Phase.BACKWARD.value, issued_ns, needed, completed)
         wanted = {pg.requires_all_reduce for pg, _ in members}
         if len(wanted) > 1:
             raise NotImplementedError(
@@ -1479,12 +1335,7 @@ class ReplicaReduce:
         # all-reducing backward adds the held sum to its own shard.
         self.held = wanted == {False}
         for pg, start in members:
-            piece = output.narrow(0, start, pg.shard_numel)
-            if self.held:
-                pg._partial = piece.clone() if pg._partial is None else pg._partial.add_(piece)
-            elif pg._partial is not None:
-                piece.add_(pg._partial)
-                pg._partial = None
+            pg.fold_partial(output.narrow(0, start, pg.shard_numel), self.held)
         self.issued_ns = time.monotonic_ns()
         self.future = None if self.held else replicate.all_reduce(output, 1.0 / replicate.world_size)
 
@@ -1494,142 +1345,4 @@ class ReplicaReduce:
             return [self.scatter_record]
         needed = time.monotonic_ns()
         completed = self.future.wait()
-        return [self.scatter_record, ("all_reduce", "backward", self.issued_ns, needed, completed)]
-
-
-class GradBatch:
-    """Units whose gradients are reduce-scattered as one collective in one
-    backward, laid out by a ``ReduceLayout`` the root's reduce plan chose
-    (see [Note: gather and reduce plans] in _fsdp_state.py). Its input is
-    rank-major, each member a column of every rank's row (see [Note:
-    batched collectives]); each member's ``post_backward`` packs its
-    gradients into its column; the last one to arrive launches the
-    collective. ``launch`` early (the root's final callback, for a batch
-    some member never reached) sends the collective as planned, zeros in
-    the columns of the members that did not arrive; a later one then goes
-    alone. ``finalize`` waits once and hands every arrived member's shards
-    their ``.grad``.
-
-    Its input is needed only until its collective is done: a batch whose
-    first member arrives takes the input of an earlier batch of the same
-    backward (``siblings``) whose collective is done, where one is large
-    enough, rather than new memory. So a backward holds about two inputs at
-    a time, not one per batch, and writes into memory the process already
-    has, where fresh memory (above glibc's mmap threshold, or given back to
-    the kernel at the end of the last iteration) costs a page fault per
-    page at its first write. On CPU only: a device collective is "done" on
-    the host while its stream may still read the input, and the caching
-    allocator already reuses device memory in stream order."""
-
-    def __init__(self, layout: ReduceLayout, siblings: list["GradBatch"]):
-        self.layout = layout
-        self.members = layout.members
-        self.columns = layout.columns
-        self.row = layout.row
-        self.siblings = siblings  # this backward's batches (this one among them once planned)
-        first = layout.members[0]
-        self.world_size = first.shard_world_size
-        transport = first.transport
-        self.copy_scale = collectives.copy_scale(transport)  # see [Note: where the 1/N goes]
-        self.transport_scale = collectives.transport_scale(transport)
-        self.input: torch.Tensor | None = None  # allocated at the first member's arrival
-        self.arrived: list[FSDPParamGroup] = []  # arrival order
-        self.launched = False
-        self.issued_ns = 0
-        self.future = None  # the collective, once launched
-        self.output: torch.Tensor | None = None
-        self.replica: ReplicaReduce | None = None  # HSDP: the all-reduce over the replicas, once started
-
-    def add(self, pg: FSDPParamGroup, grads: list) -> None:
-        pg.pack_grads(grads, self._input_for(pg), self.world_size, self.columns[id(pg)], self.copy_scale)
-        self._arrive(pg)
-
-    def add_params(self, pg: FSDPParamGroup) -> list[bool]:
-        """``add`` of the .grads on ``pg``'s unsharded parameters, which are
-        cleared; returns which parameters had one."""
-        had = pg.pack_param_grads(self.input if self.input is not None else self._input_for(pg), self.world_size,
-                                  self.columns[id(pg)], self.copy_scale)
-        arrived = self.arrived
-        arrived.append(pg)
-        if len(arrived) == len(self.members):
-            self.launch()
-        return had
-
-    def _input_for(self, pg: FSDPParamGroup) -> torch.Tensor:
-        if self.input is None:
-            numel = self.world_size * self.row
-            for other in self.siblings if pg.device.type == "cpu" else ():
-                spare = other.input
-                if (other.launched and spare is not None and spare.numel() >= numel and spare.dtype == pg.reduce_dtype
-                        and other.future.done()):
-                    other.input = None  # its collective is done with it: see the class's docstring
-                    self.input = spare.narrow(0, 0, numel)
-                    return self.input
-            self.input = torch.empty(numel, dtype=pg.reduce_dtype, device=pg.device)
-        return self.input
-
-    def _arrive(self, pg: FSDPParamGroup) -> None:
-        self.arrived.append(pg)
-        if len(self.arrived) == len(self.members):
-            self.launch()
-
-    def launch(self) -> None:
-        if self.launched or not self.arrived:
-            return
-        self.launched = True
-        if len(self.arrived) < len(self.members):
-            rows = self.input.view(self.world_size, self.row)
-            arrived = {id(pg) for pg in self.arrived}
-            for pg in self.members:
-                if id(pg) not in arrived:
-                    column = self.columns[id(pg)]
-                    rows[:, column:column + pg.shard_numel].zero_()
-        transport = self.arrived[0].transport
-        self.output = torch.empty(self.row, dtype=self.input.dtype, device=self.input.device)
-        self.issued_ns = time.monotonic_ns()
-        self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
-
-    def reduce_replicas(self) -> None:
-        """HSDP: once the batch's reduce-scatter is done, starts the
-        all-reduce of its output over the replicas. See [Note: HSDP]."""
-        replicate = self.arrived[0].replicate_transport if self.arrived else None
-        if replicate is not None and self.future is not None and self.replica is None:
-            self.replica = ReplicaReduce(replicate, self.future, self.issued_ns, self.output,
-                                         [(pg, self.columns[id(pg)]) for pg in self.arrived])
-
-    def finalize(self, all_trainable: bool = False) -> None:
-        """Waits for the collective (and the replicas' all-reduce, HSDP);
-        records it for every arrived member and hands their shards their
-        ``.grad``. ``all_trainable``: every unit hands out its trainable
-        shards (no unit's ``_grads_for`` is set)."""
-        self.siblings = None  # the list holds this batch: leave no cycle for the garbage collector
-        if self.future is None:
-            return
-        self.reduce_replicas()
-        held = False
-        if self.replica is not None:
-            records, held = self.replica.wait(), self.replica.held
-        else:
-            needed = time.monotonic_ns()
-            records = [("reduce_scatter", "backward", self.issued_ns, needed, self.future.wait())]
-        self.future = self.replica = None
-        arrived = self.arrived
-        if held:  # set_requires_all_reduce(False): the shards wait in the units' _partial, no .grad now
-            for pg in arrived:
-                pg._timings += records
-            self.input = self.output = None
-            return
-        for pg in arrived:
-            if pg.all_reduce_hook is not None:
-                pg.all_reduce_hook(self.output.narrow(0, self.columns[id(pg)], pg.shard_numel))
-        # The arrived members' parts, each at its column, in one C++ call.
-        if len(arrived) == len(self.members) and (all_trainable or all(pg._grads_for is None for pg in arrived)):
-            _hand_out_grads(self.output, arrived[0], *self.layout.trainable_hand_out())
-        else:
-            params, offsets = [], []
-            for pg in arrived:
-                pg.grads_to_hand_out(params, offsets, self.columns[id(pg)])
-            _hand_out_grads(self.output, arrived[0], params, offsets)
-        for pg in arrived:
-            pg._timings += records
-        self.input = self.output = None
+        return [self.scatter_record, ("all_reduce", Phase.BACKWARD.value, self.issued_ns, needed, completed)]

@@ -34,53 +34,10 @@ does once per iteration.
                          its units' shards their .grad, and every unit reduced
                          alone does the same, so the optimizer sees finished
                          gradients when backward() returns
-See [Note: gather and reduce plans] for the batches.
+See [Note: gather and reduce plans] in _fsdp_schedule.py for the batches.
 Every rank goes through the same steps in the same order for the same
 model, so their collectives match (see [Note: which transport carries a
 sharded unit]).
-
-[Note: gather and reduce plans]
-The root does not leave each unit to gather and reduce alone: it plans, in
-the order the units will need their parameters, which go together as one
-collective (see [Note: batched collectives] in _fsdp_collectives.py) and
-which are gathered ahead.
-    forward          the plan is last iteration's forward order (none on the
-                     first: each unit gathers alone, as needed). A unit that
-                     needs its parameters and has none gathers with it the
-                     SHARDED units after it in the plan, up to batch_bytes of
-                     unsharded parameters; when the first unit of a batch
-                     starts, the next batch is issued ("forward_prefetch"),
-                     so it travels while this one computes. A unit gathered
-                     ahead whose forward does not come this time is
-                     resharded at the root's post-forward.
-    backward         the plan is this iteration's forward order reversed,
-                     cut the same way ("backward", then "backward_prefetch").
-                     When the forward ran as planned and no unit ran inside
-                     another, the cut is the forward's batches, last first
-                     (GatherPlan.backward_of), so a run of units ([Note:
-                     runs of units]) is one gather both ways and no batch
-                     is cut again per iteration.
-                     The forward's last batch is the backward's first, so
-                     it is not resharded after its forward but kept for it
-                     (its memory held, the shards on the modules meanwhile),
-                     and the backward's first hook sends the next batch
-                     ahead at once. Not when a unit around one of its
-                     members is outside the batch: that unit's backward
-                     begins first and would gather ahead while the kept
-                     batch still holds its slot. Kept units that no
-                     backward used (a forward with grad and no backward)
-                     are resharded at the root's next forward, since
-                     their parameters may have changed in between.
-    reduce-scatter   at the first backward hook, the units of the backward
-                     plan that will reduce are cut into GradBatches of up to
-                     batch_bytes; the last member's post-backward launches its
-                     batch, so it overlaps the rest of backward. Units whose
-                     post-backward came from the final callback last time
-                     (the root, a first unit whose inputs need no grad) go
-                     alone, so they hold no batch back until backward ends.
-Every rank plans from the same orders, so their collectives still match.
-With batch_bytes = 0 every batch is one unit: each gathers and reduces on
-its own, one unit ahead.
 """
 
 from __future__ import annotations
@@ -101,29 +58,19 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import (FSDPParamGroup, GradBatch, ReduceLayout, ShardedState, TrainingState,
-                                           UnshardPool, unshard_units)
+from pydist.fsdp._fsdp_common import Materializing, Phase, ShardedState, TrainingState, state_of
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup
+from pydist.fsdp._fsdp_schedule import DEFAULT_BATCH_BYTES, Schedule
 
-__all__ = ["FSDPState", "state_of", "GatherPlan", "UnitRun", "DEFAULT_BATCH_BYTES"]
+__all__ = ["FSDPState", "state_of"]
 
-# Unsharded bytes of parameters (and of gradients) a root gathers (reduces)
-# as one collective. Larger batches mean fewer collectives, and a collective
-# costs its ranks a rendezvous whatever it carries (on shared memory with
-# more ranks than cores, a scheduling turn of every rank); but a backward
-# holds about four batches' worth of unsharded memory at once (two pool
-# slots, two reduce inputs: see [Note: the unsharded buffer's memory] and
-# GradBatch), on top of what DDP would hold. Half the DDP reducer's 4 MiB
-# all-reduce chunk keeps both costs small: a few collectives a step for
-# models of many small units, and a peak below DDP's. Units larger than it
-# go alone.
-DEFAULT_BATCH_BYTES = 2 << 20
 
 _requires_grad_of = operator.attrgetter("requires_grad")
 
 # The states the hooks' fast paths test by identity.
 _IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 _PRE_BACKWARD, _POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
-_SHARDED, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDED
+_SHARDED = ShardedState.SHARDED
 
 
 def _wrapping_difference(wrappings: list, root_class: str) -> str:
@@ -171,10 +118,6 @@ def _param_text(entry) -> str:
     return "absent" if entry is None else f"shape {tuple(entry[0])} {entry[1]}"
 
 
-def state_of(module: nn.Module) -> "FSDPState | None":
-    return module.__dict__.get("_pydist_fsdp_state")
-
-
 class FSDPState:
     """One fully_shard'ed module: its unit (None when it manages no
     parameters) and its hooks. The root's state also drives the iteration."""
@@ -216,7 +159,6 @@ class FSDPState:
         # enabled (a second run in the same one is refused).
         self.forward_iteration = -1
         self._recomputing = False  # this forward is a recompute in backward: see _is_recompute
-        self.pool: UnshardPool | None = None  # root only: see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
         # Root only: its pre-forward ran and its post-forward has not yet (a
         # forward that raised leaves it set). See [Note: an iteration that raised].
@@ -233,23 +175,18 @@ class FSDPState:
         self._last_hooked: torch.Tensor | None = None
         self._last_hook: _OutputHook | None = None
         self._last_gate = None  # the _C.OutputGate _last_hook is called through
-        # Root only: see [Note: gather and reduce plans]. How many unsharded
-        # bytes go as one collective; this iteration's forward and backward
-        # gather plans (None: no plan); the reduce batches of this backward;
-        # the states whose post-backward came from the final callback last
-        # iteration.
+        # How many unsharded bytes the root's schedule sends as one
+        # collective (set_collective_batch_bytes; read on the root only).
         self.batch_bytes = DEFAULT_BATCH_BYTES
-        self.forward_plan: GatherPlan | None = None
-        self.backward_plan: GatherPlan | None = None
-        self._last_backward_plan: GatherPlan | None = None  # what the next backward plan may reuse
+        # Root only, from its lazy init: its plans, reduce batches and unshard
+        # pool (see [Note: gather and reduce plans] in _fsdp_schedule.py).
+        self.schedule: Schedule | None = None
+        # Root only: the states whose post-backward came from the final
+        # callback last iteration (ids), which the reduce plan leaves alone.
+        self.late_posters: set[int] = set()
         # Root only: the order check_forward_order last sent for a whole forward, and its row.
         self._checked_order: list[FSDPState] | None = None
         self._checked_row: torch.Tensor | None = None
-        self.grad_batches: list[GradBatch] = []
-        self.late_posters: set[int] = set()
-        # Root only: the reduce batches' layouts, kept while what they were
-        # cut from stays the same (see _plan_backward).
-        self._reduce_layouts: tuple | None = None
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
 
@@ -285,7 +222,7 @@ class FSDPState:
                 )
             if state is not self and state.batch_bytes != DEFAULT_BATCH_BYTES:
                 state.refuse_batch_bytes_off_root(self, name)
-            if state.param_group is not None and state.param_group.materializing == "meta":
+            if state.param_group is not None and state.param_group.materializing is Materializing.META:
                 state.param_group.shard_materialized()  # raises: to_empty first
         for _, state in named:  # see [Note: a unit built on the meta device] in _fsdp_param_group.py
             if state.param_group is not None:
@@ -295,15 +232,15 @@ class FSDPState:
         self._unit_names = [name for name, _ in named]  # each state's place under the root: see _check_wrapped_alike
         self._state_index = {id(s): i for i, s in enumerate(self.all_states)}  # what check_forward_order sends
         units = {name: s.param_group for name, s in named if s.param_group is not None and s is not self}
+        # Per unit, the nearest unit around it, the root's aside: it computes around it.
+        enclosing = {}
         for name, state in named:
             state.root = self
-            if state.param_group is not None:
-                state.param_group.label = name  # records and errors name units by their place
-                # The nearest unit around this one, the root's aside: it computes around it.
+            if state.param_group is not None and state is not self:
                 parts = name.split(".")
-                state.param_group.enclosing = next(
+                enclosing[id(state)] = next(
                     (pg for i in range(len(parts) - 1, 0, -1) if (pg := units.get(".".join(parts[:i]))) is not None),
-                    None) if state is not self else None
+                    None)
         # One tensor of each dtype the units communicate in, so that a dtype
         # the shared-memory transport does not carry falls back to the group.
         devices = {s.param_group.device for s in self.all_states if s.param_group is not None}
@@ -326,13 +263,11 @@ class FSDPState:
         if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
             replicate = overlap_hooks.sharded_transport(
                 collectives.open_transport(self.replicate_group, samples, self.shm))
-        pool = self.pool = UnshardPool(self.device)  # see [Note: the unsharded buffer's memory]
-        for state in self.all_states:
-            if state.param_group is not None:
-                state.param_group.transport = transport
-                state.param_group.replicate_transport = replicate if state.param_group.sharded else None
-                state.param_group.pool = pool
-                state.param_group.is_root = state is self
+        self.schedule = Schedule(self.device)
+        pool = self.schedule.pool  # see [Note: the unsharded buffer's memory]
+        for name, state in named:
+            if state.param_group is not None:  # records and errors name units by their place
+                state.param_group.join_root(name, enclosing.get(id(state)), transport, replicate, pool, state is self)
         self.transport = transport
         self.replicate_transport = replicate
         self._built_checked = False  # see [Note: every rank builds the same model]
@@ -459,29 +394,6 @@ class FSDPState:
             f"Call it on the root, and set {name!r} back to the default ({DEFAULT_BATCH_BYTES}) or never call it there"
         )
 
-    def extend_run(self, hook: _OutputHook, state: FSDPState) -> UnitRun | None:
-        """Root, at ``state``'s fast pre-forward: its unit took the one output
-        ``hook`` hooks, of the unit before it. Returns the run it continues
-        (or starts with that unit), or None. See [Note: runs of units]."""
-        prev = hook.state
-        plan = self.forward_plan
-        if not prev.run_ok or plan is None or plan.batches is None:
-            return None
-        batch_of_state = plan.batch_of_state
-        batch = batch_of_state.get(id(state))
-        if batch is None or batch != batch_of_state.get(id(prev)):
-            return None  # a run lies in one gather batch
-        run = prev.param_group.run
-        if run is None:
-            if not prev.signalled:
-                return None  # its post-backward comes from the final callback: no run starts with it
-            run = prev.param_group.run = UnitRun(prev)
-        elif run.members[-1] is not prev:
-            return None
-        run.members.append(state)
-        state.param_group._run_link = hook
-        return run
-
     # [Note: an iteration that raised]
     # A training loop may catch an exception from forward or backward (a bad
     # batch, out of memory, a custom Function's backward) and go on with the
@@ -517,22 +429,17 @@ class FSDPState:
     def recover_from_failed_iteration(self) -> None:
         """Root: puts every unit back as between iterations. See [Note: an
         iteration that raised]."""
-        batches, self.grad_batches = self.grad_batches, []
-        for batch in batches:
-            if batch.replica is not None:  # HSDP: its all-reduce too
-                batch.replica.wait()
-            elif batch.future is not None:  # launched: every rank issued it
-                batch.future.wait()
+        schedule = self.schedule
+        schedule.abandon_iteration()
         for state in self.all_states:
             state._recomputing = False
             if state.param_group is not None:
                 state.param_group.abandon_iteration()
         self._last_hooked = self._last_hook = self._last_gate = None
         self.forward_order = []  # the next forward gathers as a first one
-        self.backward_plan = None
         self.final_callback_queued = False
         self._forward_open = False
-        self.pool.release()
+        schedule.pool.release()
 
     def _root_pre_forward(self) -> None:
         if not self._built_checked:
@@ -543,11 +450,7 @@ class FSDPState:
         self.iteration += 1
         if self.subscribers:
             self.forward_start_ns, self.backward_start_ns = time.monotonic_ns(), -1
-        if self.forward_plan is not None:
-            self.forward_plan.reshard_kept()  # no backward came for them
-        self.forward_plan = (GatherPlan(self.forward_order, self.batch_bytes, "forward", self.forward_plan)
-                             if self.forward_order else None)
-        self.backward_plan = None
+        self.schedule.plan_forward(self.forward_order, self.batch_bytes, self._units)
         self.forward_order = []
         self.final_callback_queued = False
         self.backward_end_ns = -1
@@ -560,9 +463,7 @@ class FSDPState:
             if changed or (pg.sharded_state is not _SHARDED and pg.sharded):
                 pg.sync_requires_grad()
                 synced = True
-            pg._timings = []  # this iteration's records
-            pg.had_grad = None  # a backward that failed before its final callback
-            pg.run = None  # see [Note: runs of units]
+            pg.begin_iteration()
             state.plain = plain = not never_plain and not state.forward_prefetch
             state.run_ok = plain and pg.sharded and state.backward_prefetch is None
         if synced:
@@ -588,7 +489,7 @@ class FSDPState:
             pg = state.param_group
             if pg is not None and id(state) not in ran and pg.requires_gradient_sync and pg.has_pending_grads():
                 pg.post_backward()
-        batches, self.grad_batches = self.grad_batches, []
+        batches = self.schedule.take_grad_batches()
         for batch in batches:
             batch.launch()  # those some member never reached (a unit skipped this backward)
         if self.replicate_transport is not None:  # see [Note: HSDP]: every all-reduce starts before any is waited
@@ -600,12 +501,8 @@ class FSDPState:
         for batch in batches:
             batch.finalize(all_trainable)  # one wait per batch; its members' shards get their .grad
         for pg in self._units:
-            if pg._reduce is None and pg.sharded_state is _SHARDED:
-                pg.grad_batch = None  # finalize_backward's common case: reduced in a batch, resharded
-                pg.training_state = _IDLE
-            else:
-                pg.finalize_backward()
-        self.pool.release()  # see [Note: the unsharded buffer's memory]
+            pg.finalize_backward()
+        self.schedule.pool.release()  # see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
         if self.subscribers and self.forward_start_ns >= 0:
             from pydist.fsdp._records import iteration_record
@@ -630,12 +527,7 @@ class FSDPState:
         if all(counts):  # every parameter had a gradient on some rank: the common case, in one pass
             all_trainable = True
             for pg in units:
-                pg.had_grad = None
-                if pg._all_trainable:
-                    pg._grads_for = None
-                else:
-                    pg._grads_for = pg.fsdp_params
-                    all_trainable = False
+                all_trainable &= pg.take_grads_everywhere()
             return all_trainable
         start = 0
         for pg in units:
@@ -659,7 +551,7 @@ class FSDPState:
     #     at its post-forward, each forward;
     #     before a unit gathers outside a plan (the first forward, or a unit
     #     not in last iteration's order), each such unit.
-    # A forward plan (see [Note: gather and reduce plans]) issues the same
+    # A forward plan (see [Note: gather and reduce plans] in _fsdp_schedule.py) issues the same
     # batches on every rank whichever of its units a rank skips: a unit
     # needing its batch past the last one issued first issues the batches
     # before it (GatherPlan.need), and every check first issues what is left
@@ -676,8 +568,8 @@ class FSDPState:
         """Root: raises on every rank if the ranks ran different units in this
         forward so far (``gathering``: the unit about to gather outside a plan;
         None: the forward is done). See [Note: ranks that run different units]."""
-        if self.forward_plan is not None:
-            self.forward_plan.issue_rest()
+        if self.schedule.forward_plan is not None:
+            self.schedule.forward_plan.issue_rest()
         if gathering is None and self._checked_order == self.forward_order:
             row = self._checked_row  # a whole forward, the same units as last time: the same row
         else:
@@ -765,39 +657,23 @@ class FSDPState:
     # decides these once per forward for every state (``plain``); a plain
     # unit's pre-forward, in the common case (IDLE, grad enabled, its first
     # run this iteration), and its post-forward after such a pre-forward,
-    # do exactly what the general path does for it, in the same order,
-    # without the rest. Anything else (a recompute under activation
+    # skip those checks and go straight to what every unit's hook does
+    # (_unit_pre_forward, FSDPParamGroup.post_forward): one path, not a
+    # second copy of it. Anything else (a recompute under activation
     # checkpointing: PRE_BACKWARD; a second run, which the general path
-    # refuses; no_grad) takes the general path. A plan's need() is called
-    # only where it has something to do: see GatherPlan.need.
+    # refuses; no_grad) takes the checks. Every unit calls GatherPlan.need,
+    # unsharded already or not, so the plan's batches go out in order and
+    # its last one before its units' post-forwards, which leave it kept for
+    # backward (under set_reshard_after_backward(False) too). The backward
+    # hooks have no such branch: a unit's pre-backward is
+    # FSDPParamGroup.pre_backward behind a few tests (_pre_backward).
 
     def _pre_forward(self, module, args, kwargs):
-        if self.plain:
-            root = self.root
-            pg = self.param_group
-            if pg.training_state is _IDLE and self.forward_iteration != root.iteration and torch.is_grad_enabled():
-                # See [Note: the hooks' fast path]: what the general path
-                # below does for a unit in this case, in the same order.
-                self.forward_iteration = root.iteration
-                plan = root.forward_plan
-                if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
-                    plan.need(self)
-                pg.gathered_ahead = False
-                pg.training_state = _FORWARD
-                if pg.sharded_state is not _UNSHARDED:
-                    if pg.sharded_state is _SHARDED:  # no plan gathered it
-                        root.check_forward_order(self)
-                    pg.wait_for_unshard("forward")
-                root.forward_order.append(self)
-                if not kwargs and len(args) == 1 and args[0] is root._last_hooked:
-                    hook = root._last_hook  # see _join_or_register_post_backward
-                    if not hook.fired:
-                        hook.join(pg)
-                        self.signalled = True
-                        pg.run = root.extend_run(hook, self) if self.run_ok else None
-                        return None  # args and kwargs as they are
-                pg.run = None
-                return self._register_post_backward(args, kwargs)
+        if (self.plain and self.param_group.training_state is _IDLE and self.forward_iteration != self.root.iteration
+                and torch.is_grad_enabled()):
+            # See [Note: the hooks' fast path]: none of the checks below applies.
+            self.forward_iteration = self.root.iteration
+            return self._unit_pre_forward(args, kwargs)
         if self.root is None:
             self._lazy_init()
         root = self.root
@@ -821,7 +697,7 @@ class FSDPState:
             # (order, reuse check, post-backward hooks, resharding). As
             # torch's FSDP2, which skips its input casts here too.
             if pg is not None:
-                pg.wait_for_unshard("backward")
+                pg.wait_for_unshard(Phase.BACKWARD)
             return args, kwargs
         if self.is_root:
             self._root_pre_forward()
@@ -840,16 +716,24 @@ class FSDPState:
             )
         if torch.is_grad_enabled():
             self.forward_iteration = root.iteration
-        if root.forward_plan is not None:
-            root.forward_plan.need(self)
-        pg.gathered_ahead = False  # its forward came
+        return self._unit_pre_forward(args, kwargs)
+
+    def _unit_pre_forward(self, args, kwargs):
+        """What every pre-forward of a unit does once the checks have passed:
+        its parameters (gathered by the root's plan, or alone), its place in
+        the forward order, its prefetch targets, its post-backward point."""
+        root = self.root
+        pg = self.param_group
+        plan = root.schedule.forward_plan
+        if plan is not None:
+            plan.need(self)  # issues the plan's batches in order, up to this unit's (see GatherPlan.need)
         if pg.sharded_state is _SHARDED:  # no plan gathered it
             root.check_forward_order(self)
         pg.pre_forward()
         root.forward_order.append(self)
         for target in self.forward_prefetch:
             if target.param_group is not None:
-                target.param_group.unshard("forward_prefetch")
+                target.param_group.unshard(Phase.FORWARD_PREFETCH)
         if torch.is_grad_enabled():
             return self._join_or_register_post_backward(root, args, kwargs)
         return args, kwargs
@@ -874,18 +758,15 @@ class FSDPState:
             if not hook.fired:
                 hook.join(self.param_group)
                 self.signalled = True
+                if self.run_ok:
+                    root.schedule.extend_run(hook, self)
                 return args, kwargs
         return self._register_post_backward(args, kwargs)
 
     def _post_forward(self, module, args, output):
         pg = self.param_group
         if self.plain and pg.training_state is _FORWARD:
-            # See [Note: the hooks' fast path]: a unit, no casts; post_forward's common case first.
-            if pg.reshard_after_forward and not pg.keep_for_backward:
-                pg.reshard()
-                pg.training_state = _IDLE
-            else:
-                pg.post_forward(pg.reshard_after_forward)
+            pg.post_forward(pg.reshard_after_forward)  # see [Note: the hooks' fast path]: none of the checks below applies
         else:
             if self._recomputing:
                 self._recomputing = False
@@ -904,7 +785,7 @@ class FSDPState:
                     if state.param_group is not None and state.param_group.gathered_ahead:
                         state.param_group.reshard()
                 if not torch.is_grad_enabled():
-                    self.pool.release()  # no backward follows: see [Note: the unsharded buffer's memory]
+                    self.schedule.pool.release()  # no backward follows: see [Note: the unsharded buffer's memory]
             if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
         run = pg.run if pg is not None else None
@@ -943,7 +824,7 @@ class FSDPState:
             self.backward_start_ns = time.monotonic_ns()
         self.final_callback_queued = True
         Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-        self._plan_backward()
+        self.schedule.plan_backward(self.forward_order, self.batch_bytes, self.late_posters)
 
     def _pre_backward(self) -> None:
         root = self.root
@@ -952,79 +833,16 @@ class FSDPState:
         pg = self.param_group
         if pg is None or pg.training_state is _PRE_BACKWARD:
             return
-        plan = root.backward_plan
-        if (pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and plan is not None
-                and self.backward_prefetch is None and id(pg) not in plan.heads):
-            # The common case (a unit its batch's gather unsharded, heading no
-            # batch, no prefetch targets): what the rest does then, without its calls.
-            pg.gathered_ahead = False
-            pg.training_state = _PRE_BACKWARD
-            return
         if pg.training_state is _POST_BACKWARD:
             pg.pre_backward()  # raises: backward reached the unit again after its gradients were reduced
+        plan = root.schedule.backward_plan
         if plan is not None and (pg.sharded_state is _SHARDED or id(pg) in plan.heads):
             plan.need(self)  # (nothing to do for a unit gathered with its batch that does not head one)
-        pg.gathered_ahead = False
         if pg.pre_backward() and self.backward_prefetch is not None:
             for target in self.backward_prefetch:
                 tpg = target.param_group
                 if tpg is not None and tpg.training_state != TrainingState.POST_BACKWARD:
-                    tpg.unshard("backward_prefetch")
-
-    def _plan_backward(self) -> None:
-        """Root, at the first backward hook: the backward gather plan and the
-        reduce batches. See [Note: gather and reduce plans]."""
-        forward = self.forward_plan
-        if (forward is not None and forward.batches is not None and forward.flat
-                and forward.order == self.forward_order):
-            # The forward ran as planned, no unit inside another: its
-            # batches, last first (so a run of units is one gather; see
-            # [Note: runs of units]). (A unit around others begins its
-            # backward before theirs, so reversed forward batches would
-            # split it from them.)
-            plan = GatherPlan.backward_of(forward, self._last_backward_plan)
-        else:
-            plan = GatherPlan(self.forward_order[::-1], self.batch_bytes, "backward", self._last_backward_plan)
-        self.backward_plan = plan
-        self._last_backward_plan = plan
-        plan.start()
-        late = self.late_posters
-        # Which units reduce: what the batches are cut from, with the plan's units.
-        reduces = [pg.sharded and pg.requires_gradient_sync and bool(pg._trainable) and id(state) not in late
-                   for state in plan.states if (pg := state.param_group) is not None]
-        key = (plan.states, reduces, self.batch_bytes)
-        cached = self._reduce_layouts
-        if cached is None or cached[0] is not key[0] or cached[1:3] != key[1:]:
-            self._reduce_layouts = cached = key + (self._cut_reduce_layouts(plan.states, reduces),)
-        batches = self.grad_batches = []
-        for state in plan.states:
-            state.param_group.grad_batch = None
-        for layout in cached[-1]:
-            batch = GradBatch(layout, batches)
-            for member in layout.members:
-                member.grad_batch = batch
-            batches.append(batch)
-
-    def _cut_reduce_layouts(self, states: list[FSDPState], reduces: list[bool]) -> list[ReduceLayout]:
-        """The reduce batches of a backward plan's units: runs of consecutive
-        units that reduce and batch with one another, up to batch_bytes of
-        gradients (in the reduce dtype); a unit alone is no batch."""
-        layouts: list[ReduceLayout] = []
-        run: list[FSDPParamGroup] = []
-        run_bytes = 0
-        for state, reduce in zip(states, reduces):
-            pg = state.param_group
-            nbytes = pg.padded_numel * torch.finfo(pg.reduce_dtype).bits // 8
-            if not reduce or (run and (run_bytes + nbytes > self.batch_bytes or not run[0].batches_with(pg))):
-                if len(run) > 1:
-                    layouts.append(ReduceLayout(run))
-                run, run_bytes = [], 0
-            if reduce:
-                run.append(pg)
-                run_bytes += nbytes
-        if len(run) > 1:
-            layouts.append(ReduceLayout(run))
-        return layouts
+                    tpg.unshard(Phase.BACKWARD_PREFETCH)
 
     def _register_post_backward(self, args, kwargs):
         self.signalled = False
@@ -1047,196 +865,6 @@ class FSDPState:
         for i, t in zip(positions, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
-
-
-class GatherPlan:
-    """The units in the order they are expected to need their parameters,
-    gathered in batches one batch ahead. See [Note: gather and reduce plans]."""
-
-    def __init__(self, order: list[FSDPState], batch_bytes: int, phase: str, last: GatherPlan | None = None):
-        self._fields(order, batch_bytes, phase)
-        if (last is not None and last.reusable and last.phase == phase and last.batch_bytes == batch_bytes
-                and last.order == order):
-            # The units of last iteration's plan in the same order: its
-            # layout, which nothing changes once cut, saves a walk over every
-            # unit per phase. Every rank decides alike: the orders are the
-            # same on every rank (see [Note: ranks that run different units]).
-            self.states, self.position = last.states, last.position
-            self.batches, self.batch_of = last.batches, last.batch_of
-            self.batch_of_state, self.flat, self.batch_groups = last.batch_of_state, last.flat, last.batch_groups
-            self.reusable = True
-            return
-        seen: set[int] = set()
-        self.states = []  # the units, each at its first place in ``order``
-        for s in order:
-            if s.param_group is not None and id(s) not in seen:
-                seen.add(id(s))
-                self.states.append(s)
-        self.position = {id(s): i for i, s in enumerate(self.states)}
-        # Whether the next plan of the same order may take this one's layout:
-        # a backward plan's is the units alone; a forward plan's batches are
-        # cut from the SHARDED units, so only when every unit was (a unit
-        # left unsharded now would stay out of every batch after; a unit
-        # unsharded at a later cut is left out of its batch at the issue).
-        self.reusable = phase != "forward" or all(s.param_group.sharded_state is ShardedState.SHARDED
-                                                  for s in self.states)
-        if phase == "forward":
-            self.flat = all(s.param_group.enclosing is None for s in self.states)
-            self.batches = []
-            start = 0
-            while start < len(self.states):
-                members, start = self._cut(start)
-                if members:
-                    for k in members:
-                        self.batch_of[k] = len(self.batches)
-                        self.batch_of_state[id(self.states[k])] = len(self.batches)
-                    self.batches.append(members)
-                    self.batch_groups.append([self.states[k].param_group for k in members])
-
-    def _fields(self, order: list[FSDPState], batch_bytes: int, phase: str) -> None:
-        """Every plan's state before its layout (states, position, batches) is made."""
-        self.order = order
-        self.batch_bytes = batch_bytes
-        self.phase = phase  # "forward" or "backward": records name the collectives by it
-        self.cursor = 0  # every unit before it has been considered for a batch
-        self.heads: set[int] = set()  # ids of the first units (param groups) of batches issued ahead: starting one issues the next
-        self.kept: list[FSDPParamGroup] = []  # forward: the last batch, left unsharded for backward
-        # Forward only: the batches, cut now from the units' states at the
-        # root's pre-forward (the same on every rank), issued in this order
-        # whichever units run; each unit's batch; how many are issued. See
-        # [Note: ranks that run different units].
-        self.batches: list[list[int]] | None = None
-        self.batch_of: dict[int, int] = {}
-        self.batch_of_state: dict[int, int] = {}  # forward: batch_of by id(state)
-        self.batch_groups: list[list[FSDPParamGroup]] = []  # each batch's units (param groups)
-        self.issued = 0
-        self.made_from: list | None = None  # backward_of's: the forward batches it was made from
-        self.flat = False  # forward: no unit of the plan lies inside another (the root aside)
-        self.reusable = False
-
-    @classmethod
-    def backward_of(cls, forward: GatherPlan, last: GatherPlan | None) -> GatherPlan:
-        """The backward plan of a forward that ran the units ``forward``
-        planned, in its order: its batches, the last first, each from its
-        last unit; the layout of ``last`` where it was made from the same
-        forward batches (which a reused forward layout shares)."""
-        plan = cls.__new__(cls)
-        plan._fields(forward.order[::-1], forward.batch_bytes, "backward")  # not reusable: __init__'s reuse is for its own cuts
-        plan.made_from = forward.batches
-        if last is not None and last.made_from is forward.batches:
-            plan.states, plan.position, plan.batches, plan.batch_of = (last.states, last.position, last.batches,
-                                                                      last.batch_of)
-            plan.batch_groups = last.batch_groups
-            return plan
-        n = len(forward.states)
-        plan.states = forward.states[::-1]
-        plan.position = {id(s): i for i, s in enumerate(plan.states)}
-        plan.batches = [[n - 1 - k for k in reversed(members)] for members in reversed(forward.batches)]
-        plan.batch_of = {k: b for b, members in enumerate(plan.batches) for k in members}
-        plan.batch_groups = [[plan.states[k].param_group for k in members] for members in plan.batches]
-        return plan
-
-    def start(self) -> None:
-        """Backward, at its first hook: when the first units are unsharded
-        already (the forward's last batch, kept), the first batch to gather
-        goes out now, ahead, so it travels while they compute."""
-        if self.batches is not None:
-            if self.batches:
-                self._issue_batch(self.phase)  # gathers nothing when the forward kept it
-                if not self.heads and self.issued < len(self.batches):
-                    self._issue_batch(self.phase + "_prefetch")
-            return
-        if self.states and self.states[0].param_group.sharded_state is not ShardedState.SHARDED:
-            self._issue(0, self.phase + "_prefetch")
-
-    def reshard_kept(self) -> None:
-        """Reshards the units kept for a backward that did not come (a
-        forward with grad and no backward): their parameters may have
-        changed since they were gathered."""
-        for pg in self.kept:
-            if pg.sharded_state is ShardedState.KEPT or pg.keep_for_backward:
-                pg.reshard()
-        self.kept = []
-
-    def need(self, state: FSDPState) -> None:
-        """``state``'s unit is about to compute: gathers its batch if it has
-        no parameters, and the next batch when it starts one (so nothing to
-        do unless the unit is SHARDED or in ``heads``)."""
-        i = self.position.get(id(state))
-        if i is None:
-            return  # not in the plan: the unit gathers alone
-        if self.batches is not None:
-            b = self.batch_of.get(i, -1)
-            while self.issued <= b:  # with the batches of units this rank skipped before it
-                self._issue_batch(self.phase)
-            if id(state.param_group) in self.heads:
-                self.heads.discard(id(state.param_group))
-                if self.issued < len(self.batches):
-                    self._issue_batch(self.phase + "_prefetch")
-            return
-        if state.param_group.sharded_state == ShardedState.SHARDED:
-            self._issue(i, self.phase)
-        if id(state.param_group) in self.heads:
-            self.heads.discard(id(state.param_group))
-            self._issue(self.cursor, self.phase + "_prefetch")
-
-    def issue_rest(self) -> None:
-        """Forward: issues the batches not issued yet (of units this rank
-        skipped at the end). See [Note: ranks that run different units]."""
-        while self.batches is not None and self.issued < len(self.batches):
-            self._issue_batch(self.phase)
-
-    def _issue_batch(self, phase: str) -> None:
-        """Issues the next batch (its units still SHARDED)."""
-        groups = [pg for pg in self.batch_groups[self.issued] if pg.sharded_state is _SHARDED]
-        self.issued += 1
-        self._gather(groups, phase)
-        if self.phase == "forward" and self.issued == len(self.batches) and groups and torch.is_grad_enabled():
-            self._keep_for_backward(groups)
-
-    def _keep_for_backward(self, groups: list[FSDPParamGroup]) -> None:
-        """The forward's last batch is the backward's first: it stays
-        unsharded, unless a unit around one of its members is outside it
-        (that unit's backward begins first and would gather the next batch
-        while the kept one still holds its slot)."""
-        ids = {id(pg) for pg in groups}
-        if all(pg.enclosing is None or id(pg.enclosing) in ids for pg in groups):
-            self.kept = [pg for pg in groups if pg.reshard_after_forward and not pg.is_root]
-            for pg in self.kept:
-                pg.keep_for_backward = True
-
-    def _cut(self, start: int) -> tuple[list[int], int]:
-        """(the SHARDED units from ``start`` on, up to batch_bytes, that batch
-        with the first; where the walk stopped)."""
-        members: list[int] = []
-        nbytes = 0
-        k = start
-        while k < len(self.states):
-            pg = self.states[k].param_group
-            if pg.sharded_state == ShardedState.SHARDED and pg.training_state != TrainingState.POST_BACKWARD:
-                size = pg.unsharded_nbytes
-                if members and (nbytes + size > self.batch_bytes
-                                or not self.states[members[0]].param_group.batches_with(pg)):
-                    break
-                members.append(k)
-                nbytes += size
-            k += 1
-        return members, k
-
-    def _issue(self, start: int, phase: str) -> None:
-        """Gathers the SHARDED units from ``start`` on, up to batch_bytes, as one collective."""
-        members, k = self._cut(start)
-        self.cursor = max(self.cursor, k)
-        self._gather([self.states[k].param_group for k in members], phase)
-
-    def _gather(self, groups: list[FSDPParamGroup], phase: str) -> None:
-        """Starts the all-gather of ``groups`` (SHARDED units) as one collective."""
-        if not groups:
-            return
-        for pg in groups:
-            pg.gathered_ahead = True
-        self.heads.add(id(groups[0]))
-        unshard_units(groups, phase)
 
 
 def _cast_floating(tree, dtype: torch.dtype):
@@ -1270,107 +898,6 @@ def _cast_floating(tree, dtype: torch.dtype):
 # as the Function (never reached) leaves it. Every output hook sits behind
 # a _C.OutputGate; inside a run of units the gate is closed and the run's
 # first and last hooks do its units' work ([Note: runs of units]).
-
-
-# [Note: runs of units]
-# A unit's output hook is its pre-backward and the post-backward of the
-# unit that took that output as its one input (see [Note: how a unit learns
-# its backward is done]): in a model of many small units, a Python call per
-# unit per backward, plus each unit's bookkeeping. A run is consecutive
-# units of one gather batch (see [Note: gather and reduce plans]), each after
-# the first taking the one output of the one before it, all plain
-# ([Note: the hooks' fast path]), sharded and without backward prefetch
-# targets, the first with a post-backward point of its own (a joined hook,
-# or the Function on its inputs). Autograd then runs the run's backward in
-# one stretch, last unit first: every unit's backward waits for the one
-# after it, and the first unit's post-backward point waits for them all.
-# So:
-#   the last unit's output hook (run start) does the pre-backward of every
-#        unit of the run (its own first: it heads the gather of the batch),
-#        then closes the _C.OutputGate of every other unit's output hook;
-#        a closed gate returns in C++ without taking the GIL, having packed
-#        the gradients of the unit after it (whose backward has just ended:
-#        its hook would have) into that unit's reduce batch, while they are
-#        hot in cache (csrc/fsdp/output_gate.h);
-#   the first unit's post-backward (run finish) does the rest of every
-#        unit's post-backward (its own in full): arrival in the reduce
-#        batch, which launches it, and reshard.
-# The work per unit is what its own hooks would have done, in the same
-# collectives and order on every rank (the runs are cut from the same
-# forward on every rank), so the results are bitwise the same; what goes is
-# a Python call and its checks per unit. The forward finds the runs: a unit
-# continues the run of the unit before it at its pre-forward (extend_run),
-# and at its post-forward hands the gates collected so far to its own
-# output hook (UnitRun.link), so the run's last hook holds them all; a unit
-# that then turns out not to continue the run (another unit ran inside it,
-# or its output needs no hooking) leaves it (UnitRun.drop). A gate stays
-# open where the hook has other units to tell (more than one unit took the
-# output), and every gate stays open if the run never starts (its last
-# unit's output got no gradient while another output of the run did): the
-# hooks then do their work one by one, as without runs.
-
-
-class UnitRun:
-    """Units whose backward is handled as one. See [Note: runs of units]."""
-
-    __slots__ = ("members", "started")
-
-    def __init__(self, first: FSDPState):
-        self.members = [first]  # FSDPStates, in forward order
-        self.started = False  # its last unit's hook ran the run start
-
-    def link(self, state: FSDPState, hook: _OutputHook, before: _OutputHook | None, gate_before) -> None:
-        """``state`` (the run's last unit so far) hooked its output with
-        ``hook``; ``before`` and ``gate_before`` were the last output hook
-        and gate before it. Hands the gates collected so far on to ``hook``,
-        or takes ``state`` out of the run when a unit ran inside it."""
-        pg = state.param_group
-        link, pg._run_link = pg._run_link, None
-        if link is not before or self.members[-1] is not state:
-            self.drop(state)
-            return
-        closes = link.closes or []
-        link.closes = None
-        closes.append((gate_before, link))
-        hook.closes = closes
-
-    def drop(self, state: FSDPState) -> None:
-        """Takes ``state`` (the last unit) out of the run."""
-        state.param_group._run_link = None
-        if self.members[-1] is state:
-            self.members.pop()
-        state.param_group.run = None
-
-    def start(self, closes: list) -> None:
-        """The run's last unit's hook: every unit's pre-backward, the last
-        unit's first (it heads the batch's gather); then the other units'
-        hooks are closed."""
-        self.started = True
-        members = self.members
-        members[-1]._pre_backward()
-        plan = members[-1].root.backward_plan
-        for state in members[-2::-1]:
-            pg = state.param_group
-            # _pre_backward's common case inline (a run's units have no
-            # prefetch targets): one Python call fewer per unit of the run.
-            if pg.training_state is _IDLE and pg.sharded_state is _UNSHARDED and id(pg) not in plan.heads:
-                pg.gathered_ahead = False
-                pg.training_state = _PRE_BACKWARD
-            else:
-                state._pre_backward()
-        for gate, hook in closes:
-            if hook.more_post_units is None:
-                gate.close(hook.post_unit.aimed_grad_pack() if hook.post_unit is not None else None)
-                hook.fired = True
-
-    def finish(self) -> None:
-        """The run's first unit's post-backward point: every unit's post-backward, last unit first."""
-        self.started = False
-        for state in reversed(self.members):
-            pg = state.param_group
-            pg.run = None
-            if pg.training_state is _PRE_BACKWARD and not pg.finish_packed():
-                pg.post_backward()
 
 
 class _OutputHook:

@@ -305,7 +305,7 @@ class UnitModule:
         """pydist's own, on the root: how many unsharded bytes of consecutive
         units' parameters (and gradients) go as one all-gather (reduce-scatter);
         0: every unit alone. See [Note: gather and reduce plans]
-        (pydist/fsdp/_fsdp_state.py). Takes effect from the next forward."""
+        (pydist/fsdp/_fsdp_schedule.py). Takes effect from the next forward."""
         if nbytes < 0:
             raise ValueError(f"set_collective_batch_bytes: nbytes must be >= 0, got {nbytes}")
         state = state_of(self)

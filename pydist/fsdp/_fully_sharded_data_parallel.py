@@ -19,7 +19,7 @@ names, and only the outermost object is a ``FullyShardedDataParallel``
 FSDP1's ``forward_prefetch=True`` (gather the next unit while this one
 computes, in the last iteration's forward order) is what the engine's
 forward plan does in any case ([Note: gather and reduce plans] in
-_fsdp_state.py), so either value is accepted; so is BACKWARD_PRE or None
+_fsdp_schedule.py), so either value is accepted; so is BACKWARD_PRE or None
 for ``backward_prefetch`` (the backward plan gathers ahead), while
 BACKWARD_POST, which trades that overlap for memory, is refused.
 The parameters are the originals' local shards (``use_orig_params=True``

@@ -76,10 +76,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_param import FSDPParam, as_dtensor
-from pydist.fsdp._fsdp_param_group import ShardedState, TrainingState
-from pydist.fsdp._fsdp_state import state_of
+from pydist.fsdp._fsdp_common import Materializing, ShardedState, TrainingState, state_of
 from pydist.fsdp._utils import _root_state, _units
 
 __all__ = [
@@ -281,10 +279,10 @@ def _load_model_state_dict(model, state_dict, info):
     """torch's, into units still on the meta device too: see [Note: resuming
     a model built on the meta device]."""
     units = _units(model)
-    meta = [pg for pg in units if pg.materializing == "meta"]
+    meta = [pg for pg in units if pg.materializing is Materializing.META]
     state_dict, info = _broadcast_for_dtensors(units, state_dict, info)
     if meta and (info.full_state_dict or info.broadcast_from_rank0):
-        ready = [pg for pg in units if pg.materializing != "meta"]
+        ready = [pg for pg in units if pg.materializing is not Materializing.META]
         if ready:
             raise NotImplementedError(
                 f"pydist set_model_state_dict: units {[pg.label for pg in meta][:3]} are on the meta device and "
@@ -456,7 +454,7 @@ class _UnitStateDictHooks:
         pg = state.param_group if state is not None else None
         if pg is None or not pg.sharded:
             return None
-        if pg.dtensor and pg.materializing == "meta":
+        if pg.dtensor and pg.materializing is Materializing.META:
             # Still on meta: the state dict holds the meta DTensor parameters, as torch's, whose mesh and
             # placements FSDP2's DTensor-API resume reads to distribute a full checkpoint before a
             # load_state_dict(assign=True); a load without assign leaves them on meta, as torch's does.
@@ -497,7 +495,7 @@ class _UnitStateDictHooks:
         pg = self._param_group()  # (lays out a unit built on meta, digesting what to_empty left)
         unit = state_of(module).param_group
         if unit is not None:  # loaded values replace the built ones: see [Note: every rank builds the same model]
-            unit.built_digests = None
+            unit.forget_built_values()
         if pg is None:
             return
         if pg.sharded_state != ShardedState.SHARDED:

@@ -46,8 +46,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pydist.fsdp import _fsdp_collectives as collectives
-from pydist.fsdp._fsdp_param_group import FSDPParamGroup, TrainingState, _register, registrations
-from pydist.fsdp._fsdp_state import state_of
+from pydist.fsdp._fsdp_common import TrainingState, state_of
+from pydist.fsdp._fsdp_param_group import FSDPParamGroup, _register, registrations
 from pydist.fsdp._state_dict import gather_full_flat, gather_pieces
 
 __all__ = ["summon_full_params"]
@@ -96,7 +96,7 @@ def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool, with_grads: b
             params.append(param)
         _register(registrations((info.module._parameters, info.name, param)
                                 for fp, param in zip(pg.fsdp_params, params) for info in fp.module_infos))
-    pg.training_state = TrainingState.SUMMONED
+    pg.begin_summon()
     try:
         yield
     finally:
@@ -107,7 +107,7 @@ def _summoned(pg: FSDPParamGroup, writeback: bool, register: bool, with_grads: b
                     if full_grads is not None:
                         _write_back_grads(pg, full_grads)
             _register(pg._sharded_regs)
-        pg.training_state = TrainingState.IDLE
+        pg.end_summon()
 
 
 def _gather_full_grads(pg: FSDPParamGroup) -> torch.Tensor | None:

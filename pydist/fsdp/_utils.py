@@ -9,12 +9,13 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from pydist.fsdp._fsdp_state import FSDPState, state_of
+from pydist.fsdp._fsdp_common import state_of
 
 __all__ = ["persistent_bytes", "PersistentBytes", "last_iteration_record", "IterationRecord"]
 
 
-def _root_state(module: nn.Module) -> FSDPState:
+def _root_state(module: nn.Module):
+    """``module``'s FSDPState, its root's lazy init run."""
     state = state_of(module)
     if state is None:
         raise ValueError(f"{type(module).__name__} is not fully_shard'ed; pass the root module")

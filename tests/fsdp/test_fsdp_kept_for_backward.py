@@ -1,5 +1,5 @@
 """The forward's last batch stays unsharded for the backward, which needs it
-first (see [Note: gather and reduce plans] in pydist/fsdp/_fsdp_state.py):
+first (see [Note: gather and reduce plans] in pydist/fsdp/_fsdp_schedule.py):
 it is gathered once per iteration, not twice, and the next batch goes out
 as the backward begins. A forward with grad that no backward follows must
 not leave stale parameters behind: the units kept for it are resharded at

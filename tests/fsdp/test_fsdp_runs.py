@@ -1,4 +1,4 @@
-"""Runs of units (see [Note: runs of units] in pydist/fsdp/_fsdp_state.py):
+"""Runs of units (see [Note: runs of units] in pydist/fsdp/_fsdp_schedule.py):
 consecutive units of one gather batch, each taking the one output of the
 one before it, whose backward is handled as one; the hooks on the inner
 units' outputs close (csrc/fsdp/output_gate.h) and pack in C++. Bitwise

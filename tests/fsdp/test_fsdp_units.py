@@ -202,7 +202,7 @@ def _unused_and_memory_rank(rank, world_size, _unused):
         big(torch.randn(3, 64)).sum().backward()
         opt.step()
         if not pool_peak:  # the first forward opened the pool
-            pool = big._pydist_fsdp_state.pool
+            pool = big._pydist_fsdp_state.schedule.pool
             release = pool.release
             pool.release = lambda: (pool_peak.append(pool.nbytes), release())
     measured = persistent_bytes(big, opt)

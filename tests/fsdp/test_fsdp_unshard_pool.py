@@ -107,7 +107,7 @@ class PoolProbe:
         """The reduce batches of this backward: no two hold one input's bytes
         (a batch takes an earlier one's input only once its collective is
         done, and the earlier one lets go of it); counts the inputs passed on."""
-        batches = self.root_state.grad_batches
+        batches = self.root_state.schedule.grad_batches
         held = sorted((b.input.data_ptr(), b.input.numel() * b.input.element_size(), i)
                       for i, b in enumerate(batches) if b.input is not None)
         for (a, n, i), (b, _, j) in zip(held, held[1:]):
@@ -235,7 +235,7 @@ def _both(rank, world_size, mixed, steps):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mixed", [False, True])
 def test_pool_bounded_and_mixed_settings_bitwise_torch_fsdp2(mixed):
-    from pydist.fsdp._fsdp_param_group import POOL_SLOTS
+    from pydist.fsdp._fsdp_schedule import POOL_SLOTS
 
     steps = 9
     for rank, out in enumerate(run_ranks(_both, 2, args=(mixed, steps), timeout=170)):
@@ -272,7 +272,7 @@ def _unit(n: int = 10):
 
 def test_pool_guards():
     from pydist import _C
-    from pydist.fsdp._fsdp_param_group import UnshardPool
+    from pydist.fsdp._fsdp_schedule import UnshardPool
 
     pool = UnshardPool()
     a, b = _unit(10), _unit(6)
