@@ -379,6 +379,32 @@ def run_parity(scenarios, world_size: int, timeout: float = 100.0, impls=("torch
 # --------------------------------------------------------------------------
 
 
+def bitwise_mismatches(a, b, what: str, mismatches: list) -> None:
+    """Appends to ``mismatches`` where ``b`` is not bitwise ``a``: nested
+    dicts and lists, tensors (dtype, shape and values; DTensors as their full
+    tensors, a collective), anything else by ``==``."""
+    from torch.distributed.tensor import DTensor
+
+    a, b = (x.full_tensor() if isinstance(x, DTensor) else x for x in (a, b))
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            mismatches.append(f"{what}: keys {sorted(map(str, a))} != "
+                              f"{sorted(map(str, b)) if isinstance(b, dict) else type(b).__name__}")
+            return
+        for k in a:
+            bitwise_mismatches(a[k], b[k], f"{what}[{k}]", mismatches)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            bitwise_mismatches(x, y, f"{what}[{i}]", mismatches)
+    elif isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
+            diff = (a.float() - b.float()).abs().max().item() if isinstance(b, torch.Tensor) and a.shape == b.shape \
+                else f"{type(b).__name__} {getattr(b, 'dtype', '')} {getattr(b, 'shape', '')}"
+            mismatches.append(f"{what}: max |diff| {diff}")
+    elif a != b:
+        mismatches.append(f"{what}: {a} != {b}")
+
+
 def assert_close(ref, got, exact: bool, what: str, rtol: float = 1e-6, atol: float = 1e-6):
     ref, got = torch.as_tensor(ref), torch.as_tensor(got)
     assert got.dtype == ref.dtype and got.shape == ref.shape, (

@@ -25,6 +25,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fsdp_harness import bitwise_mismatches
+
 from pydist.spawn import run_ranks
 
 DIM, HEADS, VOCAB, SEQ = 16, 2, 24, 6
@@ -176,28 +178,8 @@ def _rank(rank, world_size, ckpt_dir, bf16, hsdp):
     mismatches = []
     for key in ("losses", "norms", "full", "full_osd", "after", "resumed", "resumed_losses", "dcp_loaded", "meta_sd",
                 "dtensor_resumed", "dtensor_resumed_loss"):
-        _compare(ref[key], got[key], key, mismatches)
+        bitwise_mismatches(ref[key], got[key], key, mismatches)
     return {"isinstance": got["isinstance"], "placements": got["placements"], "mismatches": mismatches}
-
-
-def _compare(a, b, what: str, mismatches: list) -> None:
-    """Appends where ``b`` is not bitwise ``a`` (nested dicts, lists, tensors, DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    a, b = (x.full_tensor() if isinstance(x, DTensor) else x for x in (a, b))
-    if isinstance(a, dict):
-        if a.keys() != b.keys():
-            mismatches.append(f"{what}: keys {sorted(map(str, a))} != {sorted(map(str, b))}")
-            return
-        for k in a:
-            _compare(a[k], b[k], f"{what}[{k}]", mismatches)
-    elif isinstance(a, torch.Tensor):
-        if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
-            diff = (a.float() - b.float()).abs().max().item() if isinstance(b, torch.Tensor) and a.shape == b.shape \
-                else f"{type(b).__name__} {getattr(b, 'shape', '')}"
-            mismatches.append(f"{what}: max |diff| {diff}")
-    elif a != b:
-        mismatches.append(f"{what}: {a} != {b}")
 
 
 @pytest.mark.timeout(240)

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fsdp_harness import bitwise_mismatches
+
 from pydist.spawn import run_ranks
 
 # (name, optimizer class, its arguments); foreach off and on, fused where the CPU has it.
@@ -108,7 +110,7 @@ def _rank(rank, world_size):
         before = sum(LOCAL_SHARD_STEPS.values())
         got = _train(pydist.fully_shard, rank, config)
         local_steps[config[0]] = sum(LOCAL_SHARD_STEPS.values()) - before
-        _compare(ref[config[0]], got, config[0], mismatches)
+        bitwise_mismatches(ref[config[0]], got, config[0], mismatches)
         placements = [k for k, v in got["state"].items() if k.endswith(".placements")]
         if not placements or not all(got["state"][k] for k in placements):
             mismatches.append(f"{config[0]}: state not DTensors of the parameters' placements")
@@ -171,23 +173,6 @@ def _mixed_groups(torch_fully_shard, pydist_fully_shard) -> list:
         torch.optim.Adam([*models[0].parameters(), *extra]).step()
         calls.append(sum(LOCAL_SHARD_STEPS.values()) - before)
     return calls
-
-
-def _compare(a, b, what: str, mismatches: list) -> None:
-    if isinstance(a, dict):
-        if a.keys() != b.keys():
-            mismatches.append(f"{what}: keys {sorted(a)} != {sorted(b)}")
-            return
-        for k in a:
-            _compare(a[k], b[k], f"{what}[{k}]", mismatches)
-    elif isinstance(a, list):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _compare(x, y, f"{what}[{i}]", mismatches)
-    elif isinstance(a, torch.Tensor):
-        if not (type(b) is type(a) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)):
-            mismatches.append(f"{what}: {a} != {b}")
-    elif a != b:
-        mismatches.append(f"{what}: {a} != {b}")
 
 
 @pytest.mark.timeout(150)
