@@ -179,8 +179,13 @@ def _open_hierarchical(group, topo) -> tuple[Transport | None, str]:
 
     timeout_s = shm_segment.group_timeout(group).total_seconds()
     ends, failure = [], ""
-    for _ in ("in", "out"):
-        shm, failure = shm_segment.map_segment(topo.local_rank, local_size, local_allgather, timeout_s)
+    # The last legs wait twice the group's timeout: a host peer stages its
+    # last leg only once its own cross-host leg is done, which may take the
+    # whole timeout to fail (a stalled host); that failure then aborts both
+    # legs naming the lost host (HierarchicalTransport::fail), which a peer
+    # waiting here must see rather than time out first with "did not arrive".
+    for leg_timeout_s in (timeout_s, 2 * timeout_s):
+        shm, failure = shm_segment.map_segment(topo.local_rank, local_size, local_allgather, leg_timeout_s)
         if shm is None:
             break
         ends.append(shm)
