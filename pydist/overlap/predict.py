@@ -407,6 +407,12 @@ def calibrate(recording: Recording) -> Calibration:
             by_size.setdefault(b, []).append(t)
         # each size's lower quarter, every sample of it: a size recorded often weighs more than one seen twice
         inner = [(t, b) for b, ts in by_size.items() for t in sorted(ts)[:(len(ts) + 3) // 4]]
+    if not stretches and len(inner) * 4 < len(lateness):
+        # Fewer than a quarter of the chunks came late: those are hiccups (a
+        # thread woken late), not the transport's cost, which never showed
+        # behind this link; fitted on them alone, it would charge each chunk
+        # a hiccup's whole time.
+        inner = []
     early = [v for v in lateness if v <= _INNER_BOUND_MS]
     delay = max(0.0, statistics.median(early)) if early else 0.0
     inner_fixed, inner_per_byte = fit_fixed_and_per_byte([(t - delay, b) for t, b in inner])
