@@ -258,6 +258,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_param_grads", &pydist::fsdp::pack_param_grads, py::arg("params"), py::arg("numels"), py::arg("out"),
         py::arg("world_size"), py::arg("column"), py::arg("shard_numel"), py::arg("scale") = 1.0,
         "pack_rank_major of params' .grads (cast and made contiguous where needed), then clears them; returns which had one");
+  m.def("pieces_like", &pydist::fsdp::pieces_like, py::arg("output"), py::arg("likes"), py::arg("offsets"),
+        "Views output[offsets[i]:][:likes[i].numel()] in likes[i]'s shape (contiguous strides), one per tensor");
   m.def("hand_out_grads", &pydist::fsdp::hand_out_grads, py::arg("output"), py::arg("params"), py::arg("offsets"),
         "Each params[i].grad becomes output[offsets[i]:][:numel] in its shape, or that is added to it");
   m.def("point_storage_into", &pydist::fsdp::point_storage_into, py::arg("buffer"), py::arg("slot"), py::arg("offset_bytes"),
@@ -278,8 +280,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("closed", &pydist::fsdp::OutputGate::closed);
   py::class_<pydist::fsdp::GradPack, std::shared_ptr<pydist::fsdp::GradPack>>(
       m, "GradPack", "One unit's gradients on their way into its reduce batch (csrc/fsdp/output_gate.h)")
-      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t>(), py::arg("params"), py::arg("numels"),
-           py::arg("shard_numel"))
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
+                    const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>&>(),
+           py::arg("params"), py::arg("numels"), py::arg("columns"))
       .def("aim", &pydist::fsdp::GradPack::aim, py::arg("input"), py::arg("world_size"), py::arg("column"),
            py::arg("scale"))
       .def("pack", &pydist::fsdp::GradPack::pack)

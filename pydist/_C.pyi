@@ -218,6 +218,10 @@ def pack_param_grads(
     dtype and made contiguous where it is not; None: zeros), then clears
     them. Returns, per parameter, whether it had a ``.grad``."""
 
+def pieces_like(output: torch.Tensor, likes: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """``output[offsets[i]:offsets[i] + likes[i].numel()]`` viewed in ``likes[i]``'s shape
+    (contiguous strides), one view per tensor, no copy."""
+
 def hand_out_grads(output: torch.Tensor, params: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
     """Each ``params[i].grad`` becomes ``output[offsets[i]:offsets[i] + params[i].numel()]``
     (1-D, contiguous, in its dtype) viewed in its shape, or that is added to the one it has."""
@@ -250,9 +254,11 @@ class OutputGate:
 class GradPack:
     """One unit's gradients on their way into its reduce batch's rank-major input."""
 
-    def __init__(self, params: Sequence[torch.Tensor], numels: Sequence[int], shard_numel: int) -> None: ...
+    def __init__(self, params: Sequence[torch.Tensor], numels: Sequence[int],
+                 columns: Sequence[tuple[int, int, int, int]]) -> None:
+        """``columns``: the unit's layout, (first, end, shard_offset, width) each."""
     def aim(self, input: torch.Tensor, world_size: int, column: int, scale: float) -> None:
-        """Where this backward's pack goes: input's column of world_size rows, times scale."""
+        """Where this backward's pack goes: the unit's part of input's world_size rows starts at column, times scale."""
     def pack(self) -> None:
         """pack_param_grads into the aim, once."""
     @property

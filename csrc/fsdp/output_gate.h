@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -38,15 +39,39 @@ namespace fsdp {
 // input (see [Note: batched collectives] in pydist/fsdp/_fsdp_collectives.py):
 // made once per unit, aimed at a column each backward, packed by a closed
 // gate. pydist/fsdp/_fsdp_param_group.py: FSDPParamGroup._grad_pack.
+//
+// A unit's layout is columns (see [Note: a unit's layout] there): one for
+// the flat layout, one per parameter for FSDP2's dim-0 chunks. Column c
+// holds params [first, end) (in order), starts `shard_offset` elements into
+// the unit's part of a row and is `width` elements a rank: packing the unit
+// is pack_param_grads of each column's parameters into its place.
 class GradPack {
  public:
-  // The unit's unsharded parameters, their numels, its shard's numel.
-  GradPack(std::vector<at::Tensor> params, std::vector<int64_t> numels, int64_t shard_numel)
-      : params_(std::move(params)), numels_(std::move(numels)), shard_numel_(shard_numel) {}
+  struct Column {
+    int64_t first, end, shard_offset, width;
+  };
 
-  // Where this backward's pack goes: `input`'s column `column` of
-  // world_size rows, times `scale` (see pack_rank_major). Called by the run
-  // start, with the GIL; replaces an earlier aim.
+  // The unit's unsharded parameters, their numels, its columns as
+  // (first, end, shard_offset, width).
+  GradPack(std::vector<at::Tensor> params, std::vector<int64_t> numels,
+           const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& columns)
+      : params_(std::move(params)), numels_(std::move(numels)) {
+    int64_t expect = 0;
+    for (const auto& [first, end, shard_offset, width] : columns) {
+      TORCH_CHECK(first == expect && end >= first && end <= static_cast<int64_t>(params_.size()) &&
+                      shard_offset >= 0 && width >= 0,
+                  "GradPack: column (", first, ", ", end, ", ", shard_offset, ", ", width, ") does not follow the ",
+                  "columns before it over ", params_.size(), " parameters");
+      columns_.push_back({first, end, shard_offset, width});
+      expect = end;
+    }
+    TORCH_CHECK(expect == static_cast<int64_t>(params_.size()) && params_.size() == numels_.size(), "GradPack: ",
+                params_.size(), " parameters, ", numels_.size(), " numels, columns cover ", expect);
+  }
+
+  // Where this backward's pack goes: the unit's part of `input`'s
+  // world_size rows starts at `column`, times `scale` (see pack_rank_major).
+  // Called by the run start, with the GIL; replaces an earlier aim.
   void aim(at::Tensor input, int64_t world_size, int64_t column, double scale) {
     input_ = std::move(input);
     world_size_ = world_size;
@@ -56,10 +81,23 @@ class GradPack {
     packed_ = false;
   }
 
-  // pack_param_grads into the aim, once (the closed gate; no GIL needed).
+  // pack_param_grads of each column into the aim, once (the closed gate; no GIL needed).
   void pack() {
     if (!input_.defined() || packed_) return;
-    had_ = pack_param_grads(params_, numels_, input_, world_size_, column_, shard_numel_, scale_);
+    had_.clear();
+    if (columns_.size() == 1) {
+      had_ = pack_param_grads(params_, numels_, input_, world_size_, column_, columns_[0].width, scale_);
+    } else {
+      std::vector<at::Tensor> params;
+      std::vector<int64_t> numels;
+      for (const Column& c : columns_) {
+        params.assign(params_.begin() + c.first, params_.begin() + c.end);
+        numels.assign(numels_.begin() + c.first, numels_.begin() + c.end);
+        const std::vector<bool> had =
+            pack_param_grads(params, numels, input_, world_size_, column_ + c.shard_offset, c.width, scale_);
+        had_.insert(had_.end(), had.begin(), had.end());
+      }
+    }
     packed_ = true;
     input_ = at::Tensor();
   }
@@ -76,7 +114,7 @@ class GradPack {
  private:
   std::vector<at::Tensor> params_;
   std::vector<int64_t> numels_;
-  int64_t shard_numel_;
+  std::vector<Column> columns_;
   at::Tensor input_;  // aimed, not packed yet
   int64_t world_size_ = 1;
   int64_t column_ = 0;

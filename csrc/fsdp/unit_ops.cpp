@@ -153,30 +153,41 @@ std::vector<bool> pack_param_grads(const std::vector<at::Tensor>& params, const 
   return had;
 }
 
-void hand_out_grads(const at::Tensor& output, const std::vector<at::Tensor>& params,
-                    const std::vector<int64_t>& offsets) {
-  TORCH_CHECK(params.size() == offsets.size(), "hand_out_grads: ", params.size(), " params but ", offsets.size(),
+std::vector<at::Tensor> pieces_like(const at::Tensor& output, const std::vector<at::Tensor>& likes,
+                                    const std::vector<int64_t>& offsets) {
+  TORCH_CHECK(likes.size() == offsets.size(), "pieces_like: ", likes.size(), " tensors but ", offsets.size(),
               " offsets");
-  TORCH_CHECK(output.dim() == 1 && output.is_contiguous(), "hand_out_grads: output must be 1-D and contiguous, got ",
+  TORCH_CHECK(output.dim() == 1 && output.is_contiguous(), "pieces_like: output must be 1-D and contiguous, got ",
               output.sizes());
   at::NoGradGuard no_grad;
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(likes.size());
   std::vector<int64_t> strides;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& param = params[i];
-    TORCH_CHECK(param.scalar_type() == output.scalar_type() && offsets[i] >= 0 &&
-                    offsets[i] + param.numel() <= output.numel(),
-                "hand_out_grads: params[", i, "] (", param.scalar_type(), param.sizes(), ") at offset ", offsets[i],
+  for (size_t i = 0; i < likes.size(); ++i) {
+    const at::Tensor& like = likes[i];
+    TORCH_CHECK(like.scalar_type() == output.scalar_type() && offsets[i] >= 0 &&
+                    offsets[i] + like.numel() <= output.numel(),
+                "pieces_like: tensor ", i, " (", like.scalar_type(), like.sizes(), ") at offset ", offsets[i],
                 " does not fit the output (", output.scalar_type(), ", ", output.numel(), " elements)");
-    // One view per parameter, straight off the output: its contiguous strides.
-    const int64_t dims = param.dim();
+    // One view per tensor, straight off the output: its shape, contiguous strides.
+    const int64_t dims = like.dim();
     strides.assign(dims, 1);
-    for (int64_t d = dims - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(param.size(d + 1), 1);
-    at::Tensor piece = output.as_strided(param.sizes(), strides, output.storage_offset() + offsets[i]);
-    at::Tensor& grad = param.mutable_grad();
+    for (int64_t d = dims - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(like.size(d + 1), 1);
+    pieces.push_back(output.as_strided(like.sizes(), strides, output.storage_offset() + offsets[i]));
+  }
+  return pieces;
+}
+
+void hand_out_grads(const at::Tensor& output, const std::vector<at::Tensor>& params,
+                    const std::vector<int64_t>& offsets) {
+  std::vector<at::Tensor> pieces = pieces_like(output, params, offsets);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor& grad = params[i].mutable_grad();
     if (grad.defined()) {
-      grad.add_(piece);
+      grad.add_(pieces[i]);
     } else {
-      grad = std::move(piece);
+      grad = std::move(pieces[i]);
     }
   }
 }

@@ -51,9 +51,16 @@ std::vector<bool> pack_param_grads(const std::vector<at::Tensor>& params, const 
                                    const at::Tensor& out, int64_t world_size, int64_t column, int64_t shard_numel,
                                    double scale);
 
+// For each i, output[offsets[i], offsets[i] + likes[i].numel()) viewed in
+// likes[i]'s shape with contiguous strides: one view per tensor, no copy.
+// Where a gradient is not the parameter's own type (FSDP2's DTensor
+// gradients), pydist/fsdp hands these pieces out itself.
+std::vector<at::Tensor> pieces_like(const at::Tensor& output, const std::vector<at::Tensor>& likes,
+                                    const std::vector<int64_t>& offsets);
+
 // For each i, output[offsets[i], offsets[i] + params[i].numel()), viewed in
-// params[i]'s shape, becomes its .grad, or is added to the .grad it has (grad
-// mode off). One view made per parameter, no copy. Called by pydist/fsdp's
+// params[i]'s shape (pieces_like), becomes its .grad, or is added to the .grad
+// it has (grad mode off). Called by pydist/fsdp's
 // finalize, once per reduce-scatter, with the reduced output in the
 // parameters' dtype.
 void hand_out_grads(const at::Tensor& output, const std::vector<at::Tensor>& params,

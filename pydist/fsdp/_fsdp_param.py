@@ -25,7 +25,7 @@ a DTensor of the parameter's full shape, placed as torch's FSDP2 places it
 ("replicate", "shard") one), whose local tensor is this rank's dim-0 chunk:
 a view of the unit's shard buffer, so the optimizer's in-place updates land
 in what the next all-gather sends. Its ``.grad`` is a DTensor of the same
-spec over a view of the reduce-scatter's output (``hand_grad``). So torch's
+spec over a view of the reduce-scatter's output (``hand_out_dtensor_grads``). So torch's
 own ``clip_grad_norm_``, ``get_total_norm``, ``GradScaler``, DTensor-API
 checkpoints (``full_tensor``, ``distribute_tensor``), DCP and
 ``get_/set_model_state_dict`` see FSDP2's parameters. The
@@ -58,7 +58,7 @@ afterwards every shard is 1-D. A ``.grad`` the parameter held is dropped.
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -114,9 +114,42 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
 def as_dtensor(local: torch.Tensor, spec):
     """``local`` as a DTensor of ``spec``, without autograd (torch FSDP2's
     ``_from_local_no_grad``: the constructor, none of ``from_local``'s checks)."""
-    from torch.distributed.tensor import DTensor
+    return _dtensor_maker()(_DTensor, local, spec, requires_grad=False)
 
-    return DTensor(local, spec, requires_grad=False)
+
+def _dtensor_maker():
+    """DTensor's constructor as ``make(DTensor, local, spec, requires_grad=)``.
+    A gradient is made per parameter and step: where torch has it (2.13),
+    its C++ ``__new__`` is called straight, skipping ``DTensor.__init__``
+    (which does nothing but cost a dynamo-disabled Python call)."""
+    global _DTensor, _MAKE_DTENSOR
+    if _MAKE_DTENSOR is None:
+        from torch.distributed.tensor import DTensor
+
+        _DTensor = DTensor
+        _MAKE_DTENSOR = getattr(torch.Tensor, "_dtensor__new__", None) or (
+            lambda cls, local, spec, requires_grad: cls(local, spec, requires_grad=requires_grad))
+    return _MAKE_DTENSOR
+
+
+_DTensor = None
+_MAKE_DTENSOR = None
+
+
+def hand_out_dtensor_grads(params: Sequence[nn.Parameter], pieces: Sequence[torch.Tensor]) -> None:
+    """Gives each sharded DTensor parameter ``params[i]`` its piece of a
+    reduced output (a plain tensor in its local shape) as its ``.grad``: a
+    DTensor sharing the parameter's spec object, or adds the piece to the
+    local tensor of the ``.grad`` it has. The one writer of FSDP2's door's
+    gradients; one loop for a whole reduce batch (a model of small
+    parameters hands out thousands a step)."""
+    make = _dtensor_maker()
+    for p, piece in zip(params, pieces):
+        grad = p.grad
+        if grad is None:
+            p.grad = make(_DTensor, piece, p._spec, requires_grad=False)
+        else:
+            grad._local_tensor.add_(piece)
 
 
 def dtensor_spec(mesh, shape: torch.Size, dtype: torch.dtype):
@@ -220,15 +253,6 @@ class FSDPParam:
             self.sharded_param._local_tensor = local
         else:
             self.sharded_param.data = local
-
-    def hand_grad(self, local: torch.Tensor) -> None:
-        """Gives the sharded parameter ``local`` (its piece of a reduced
-        output, in its local shape) as ``.grad``, or adds it to the one it has."""
-        p = self.sharded_param
-        if p.grad is None:
-            p.grad = as_dtensor(local, self.spec) if self.spec is not None else local
-        else:
-            (p.grad._local_tensor if self.spec is not None else p.grad).add_(local)
 
     def rank_range(self, r: int) -> tuple[int, int]:
         """The range of its flattened elements (within ``[0, numel]``) rank

@@ -134,7 +134,7 @@ from pydist import _C
 from pydist.fsdp import _clip_grad as clip_grad
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_common import Materializing, Phase, ShardedState, TrainingState
-from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo, dtensor_spec
+from pydist.fsdp._fsdp_param import FSDPParam, ParamModuleInfo, dtensor_spec, hand_out_dtensor_grads
 
 __all__ = ["FSDPParamGroup", "Layout", "Column", "Phase", "Materializing", "TrainingState", "ShardedState",
            "CollectiveRecord", "ReplicaReduce"]
@@ -747,8 +747,10 @@ class FSDPParamGroup:
                 fp.init_unsharded_param(self.unsharded)
             self._unsharded_regs = self._registrations("unsharded_param")
             self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
-            if len(self.columns) == 1:  # a closed gate packs one column (see [Note: runs of units])
-                self._grad_pack = _C.GradPack(self._unsharded_params, self._numels, self.shard_numel)
+            # What a closed gate packs (see [Note: runs of units]), column by column as pack_param_grads.
+            self._grad_pack = _C.GradPack(self._unsharded_params, self._numels,
+                                          [(first, end, c.shard_offset, c.width)
+                                           for c, (first, end) in zip(self.columns, self._column_params)])
         _register(self._unsharded_regs)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -1210,10 +1212,8 @@ def _hand_out_grads(output: torch.Tensor, unit: FSDPParamGroup, params: list, of
     the units they belong to, all of one dtype. The output is cast once
     where the reduce dtype is not the shards'."""
     output = output.to(unit.dtype)
-    if unit.dtensor:  # DTensor gradients, as torch's FSDP2 gives them
-        for p, offset in zip(params, offsets):
-            fp = p._pydist_fsdp_param
-            fp.hand_grad(output.narrow(0, offset, fp.local_numel).view(fp.local_shape))
+    if unit.dtensor:  # DTensor gradients, as torch's FSDP2 gives them; the views made in one C++ call
+        hand_out_dtensor_grads(params, _C.pieces_like(output, [p._local_tensor for p in params], offsets))
         return
     if unit.sharded:  # see [Note: the global norm of sharded gradients] in _clip_grad.py
         clip_grad.mark_shard_grads(output, unit.transport)

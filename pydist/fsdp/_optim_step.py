@@ -61,6 +61,8 @@ from __future__ import annotations
 import collections
 import importlib
 import inspect
+import itertools
+import operator
 
 import torch
 
@@ -90,10 +92,13 @@ _FUNCTIONALS = (
 )
 
 _installed = False
-# (id, id) -> the two DeviceMesh objects (kept, so the ids stay theirs) found
-# equal: gradients may hold another mesh object than their parameter (one per
-# unit), and DeviceMesh.__eq__ costs microseconds a call.
-_EQUAL_MESHES: dict = {}
+# Specs already checked, so a step checks each tensor by identity (see
+# _param_spec, _same_layout): id(spec) -> a parameter spec found fit;
+# (id(state spec), id(param spec)) -> both, found alike.
+_PARAM_SPECS: dict = {}
+_EQUAL_LAYOUTS: dict = {}
+_SPEC = operator.attrgetter("_spec")
+_LOCAL = operator.attrgetter("_local_tensor")
 
 
 def install_local_shard_step() -> None:
@@ -131,8 +136,14 @@ def _on_local_shards(original, f: _Functional):
 
 def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
     """``arguments`` with each per-parameter DTensor replaced by its local
-    tensor, or None where the Note's conditions do not all hold."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    tensor, or None where the Note's conditions do not all hold.
+
+    Called once per group and step with thousands of tensors on a model of
+    small parameters, so the per-tensor checks run as C-level maps: types,
+    spec identities, and lookups of the (state spec, parameter spec) pairs
+    already compared; the full checks run once per parameter spec and once
+    per pair, and are remembered (see _same_layout)."""
+    from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
     if arguments.get("grad_scale") is not None or arguments.get("found_inf") is not None:
@@ -142,37 +153,30 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
     params = arguments["params"]
     if not params:
         return None
-    lists = [arguments[name] for name in f.per_param if arguments[name]]  # params first
+    names = [name for name in f.per_param if arguments[name]]  # params first
+    lists = [arguments[name] for name in names]
     if any(len(tensors) != len(params) for tensors in lists):
         return None
-    columns = [[] for _ in lists]
-    meshes = {}
-    for i, p in enumerate(params):
-        if type(p) is not DTensor or not hasattr(p, "_pydist_fsdp_param") or p.dtype.is_complex:
-            return None  # (torch's own fully_shard steps as without pydist)
-        spec = p._spec
-        mesh, placements, shape = spec.mesh, spec.placements, spec.tensor_meta.shape
-        for placement in placements:
-            if type(placement) is not Shard and type(placement) is not Replicate:
-                return None  # Partial (or any other kind): not the layout the Note argues about
-        meshes[id(mesh)] = mesh
-        for tensors, column in zip(lists, columns):
-            t = tensors[i]
-            if type(t) is not DTensor:  # None (a state still to be created), a plain tensor
-                return None
-            s = t._spec
-            if s is not spec and not ((s.mesh is mesh or _same_mesh(s.mesh, mesh)) and s.tensor_meta.shape == shape
-                                      and (s.placements is placements or s.placements == placements)):
-                return None
-            column.append(t._local_tensor)
-    if not all(mesh._is_current_rank_part_of_mesh() for mesh in meshes.values()):
+    # A None (a state still to be created) or a plain tensor anywhere: through the DTensors.
+    if set(map(type, itertools.chain.from_iterable(lists))) != {DTensor}:
         return None
-    local = dict(arguments)
-    local.update((name, column) for name, column in zip((n for n in f.per_param if arguments[n]), columns))
+    if not all(map(hasattr, params, itertools.repeat("_pydist_fsdp_param"))):
+        return None  # (torch's own fully_shard steps as without pydist)
+    specs = list(map(_SPEC, params))
+    if not all(map(_PARAM_SPECS.__contains__, map(id, specs))) and not all(map(_param_spec, specs)):
+        return None
+    for tensors in lists[1:]:
+        state_specs = list(map(_SPEC, tensors))
+        if not (all(map(operator.is_, state_specs, specs))
+                or all(map(_EQUAL_LAYOUTS.__contains__, zip(map(id, state_specs), map(id, specs))))
+                or all(map(_same_layout, state_specs, specs))):
+            return None
     for name, value in arguments.items():  # step counts, lr, betas: plain tensors or numbers, passed as they are
         if name not in f.per_param and (isinstance(value, DTensor) or isinstance(value, (list, tuple)) and any(
-                isinstance(t, DTensor) for t in value)):
+                map(isinstance, value, itertools.repeat(DTensor)))):
             return None
+    local = dict(arguments)
+    local.update((name, list(map(_LOCAL, tensors))) for name, tensors in zip(names, lists))
     if arguments.get("foreach") is None and arguments.get("fused") is None:
         differentiable = bool(arguments.get("differentiable", False))
         if (_default_to_fused_or_foreach(params, differentiable, use_fused=False)
@@ -181,13 +185,44 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
     return local
 
 
-def _same_mesh(a, b) -> bool:
-    pair = _EQUAL_MESHES.get((id(a), id(b)))
-    if pair is not None and pair[0] is a and pair[1] is b:
+def _param_spec(spec) -> bool:
+    """Whether a parameter's ``spec`` is one the Note's argument covers: a
+    real dtype, Shard and Replicate placements only (no Partial), on a mesh
+    this rank is part of. A property of the spec alone (torch shares spec
+    objects between equal DTensors, so a spec says nothing of whose
+    parameter holds it), remembered per spec object."""
+    if _PARAM_SPECS.get(id(spec)) is spec:
         return True
-    if a != b:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if spec.tensor_meta is None or spec.tensor_meta.dtype.is_complex:
         return False
-    if len(_EQUAL_MESHES) > 4096:  # meshes made per step: keep the cache bounded
-        _EQUAL_MESHES.clear()
-    _EQUAL_MESHES[(id(a), id(b))] = (a, b)
+    if not all(type(placement) is Shard or type(placement) is Replicate for placement in spec.placements):
+        return False
+    if not spec.mesh._is_current_rank_part_of_mesh():
+        return False
+    _remember(_PARAM_SPECS, id(spec), spec)
     return True
+
+
+def _same_layout(s, spec) -> bool:
+    """Whether a state tensor's spec ``s`` has its parameter's ``spec``'s mesh,
+    shape and placements. Gradients share their parameter's spec object; a
+    state's (made by ``zeros_like``) is its own and lives as long as the state,
+    so each pair is compared once (DeviceMesh.__eq__ costs microseconds)."""
+    if s is spec or (id(s), id(spec)) in _EQUAL_LAYOUTS:
+        return True
+    if not (s.tensor_meta.shape == spec.tensor_meta.shape and s.placements == spec.placements
+            and (s.mesh is spec.mesh or s.mesh == spec.mesh)):
+        return False
+    _remember(_EQUAL_LAYOUTS, (id(s), id(spec)), (s, spec))
+    return True
+
+
+def _remember(cache: dict, key, value) -> None:
+    """``cache[key] = value``; the value holds the objects whose ids make the
+    key, so no id is reused while it is cached. Bounded: specs made per step
+    (a model rebuilt in a loop) cannot grow it without end."""
+    if len(cache) > 65536:
+        cache.clear()
+    cache[key] = value

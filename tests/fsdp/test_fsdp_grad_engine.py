@@ -92,6 +92,43 @@ def test_pack_rank_major_refuses_what_it_cannot_pack():
         _C.pack_rank_major([torch.zeros(3, dtype=torch.cfloat)], [3, 1], cout, 2, 0, 4)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_grad_pack_packs_each_column_as_pack_param_grads(world_size):
+    """A GradPack over FSDP2's layout (a column per parameter, here one
+    column of two) packs what pack_param_grads of each column packs, clears
+    the .grads and says which parameters had one."""
+    g = torch.Generator().manual_seed(world_size)
+    shapes = [(5, 3), (7,), (2, 2), (4,)]
+    columns = [(0, 1), (1, 3), (3, 4)]  # (first, end) of the parameters in each
+    widths = [-(-sum(torch.Size(shapes[i]).numel() for i in range(a, b)) // world_size) for a, b in columns]
+    offsets = [sum(widths[:c]) for c in range(len(widths))]
+    row = 2 + sum(widths) + 3  # the unit between two others in its batch's rows
+
+    def params_with_grads():
+        params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+        for i, p in enumerate(params):
+            if i != 2:  # one without a gradient: zeros in the pack
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+        return params
+
+    numels = [torch.Size(s).numel() for s in shapes]
+    params = params_with_grads()
+    got = torch.full((world_size * row,), -7.0)
+    pack = _C.GradPack(params, numels, [(a, b, o, w) for (a, b), o, w in zip(columns, offsets, widths)])
+    pack.aim(got, world_size, 2, 0.5)
+    pack.pack()
+    assert pack.packed and pack.take_had() == [True, True, False, True]
+    assert all(p.grad is None for p in params)
+    reference = params_with_grads()
+    want = torch.full((world_size * row,), -7.0)
+    had = []
+    for (a, b), o, w in zip(columns, offsets, widths):
+        had += _C.pack_param_grads(reference[a:b], numels[a:b], want, world_size, 2 + o, w, 0.5)
+    assert had == [True, True, False, True] and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="does not follow the columns before it"):
+        _C.GradPack(params, numels, [(0, 1, 0, 8), (2, 4, 8, 4)])
+
+
 def test_hand_out_grads_sets_views_then_adds():
     p = nn.Parameter(torch.zeros(2, 3))
     q = nn.Parameter(torch.zeros(4))
@@ -106,12 +143,23 @@ def test_hand_out_grads_sets_views_then_adds():
     kept = q.grad
     _C.hand_out_grads(torch.ones(5), [q], [1])
     assert q.grad is kept and torch.equal(kept, torch.tensor([9.0, 10, 11, 12]))
-    with pytest.raises(RuntimeError, match=r"params\[0\] .* at offset 2 does not fit the output"):
+    with pytest.raises(RuntimeError, match=r"tensor 0 .* at offset 2 does not fit the output"):
         _C.hand_out_grads(torch.ones(5), [q], [2])
     with pytest.raises(RuntimeError, match="does not fit"):
         _C.hand_out_grads(torch.ones(5, dtype=torch.float64), [q], [0])
-    with pytest.raises(RuntimeError, match="2 params but 1 offsets"):
+    with pytest.raises(RuntimeError, match="2 tensors but 1 offsets"):
         _C.hand_out_grads(torch.ones(5), [p, q], [0])
+
+
+def test_pieces_like_views_in_each_shape():
+    reduced = torch.arange(12, dtype=torch.float32)
+    output = reduced[1:]
+    a, b, c = _C.pieces_like(output, [torch.empty(2, 3), torch.empty(4), torch.empty(0, 5)], [0, 7, 11])
+    assert a.shape == (2, 3) and a.stride() == (3, 1) and a.data_ptr() == output.data_ptr()
+    assert torch.equal(a, torch.arange(1.0, 7).view(2, 3)) and torch.equal(b, torch.tensor([8.0, 9, 10, 11]))
+    assert c.shape == (0, 5)
+    with pytest.raises(RuntimeError, match=r"tensor 1 .* at offset 8 does not fit the output"):
+        _C.pieces_like(output, [torch.empty(1), torch.empty(4)], [0, 8])
 
 
 # --------------------------------------------------------------------------
