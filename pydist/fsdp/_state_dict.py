@@ -1,6 +1,14 @@
-"""State dicts and checkpoints of fully_shard'ed modules: the sharded state
-dict ``model.state_dict()`` returns (each rank its shard plus metadata,
-for ``torch.distributed.checkpoint``), the full one, and the optimizer's.
+"""State dicts and checkpoints of sharded modules: the sharded state dict
+``model.state_dict()`` returns (each rank its shard plus metadata, for
+``torch.distributed.checkpoint``), the full one, and the optimizer's.
+
+Each door gives its torch API's kind. ``fully_shard``'s (FSDP2's layout)
+parameters are DTensors ``Shard(0)`` (see [Note: DTensor parameters] in
+_fsdp_param.py), so its ``state_dict()`` holds them as they are, as torch's
+FSDP2 does, and torch's helpers and DCP take them as torch's; a unit on the
+meta device gives meta DTensors. ``FullyShardedDataParallel``'s (FSDP1's
+flat layout) gives the ShardedTensors of the Note below, as torch's FSDP1
+does for SHARDED_STATE_DICT:
 
     sd = model.state_dict()                     # ShardedTensors: no communication
     dcp.save(sd, checkpoint_id=path)            # any world size reads it back
@@ -12,8 +20,9 @@ for ``torch.distributed.checkpoint``), the full one, and the optimizer's.
 
 [Note: the sharded state dict]
 torch's FSDP2 shards each parameter on dim 0, so its ``state_dict()`` holds
-DTensors ``Shard(0)`` and ``dcp.save(model.state_dict())`` just works.
-pydist's rank r keeps a contiguous range of its unit's flat layout (see
+DTensors ``Shard(0)`` and ``dcp.save(model.state_dict())`` just works; so
+does pydist's ``fully_shard``. Under the flat layout (FSDP1's door) rank r
+keeps a contiguous range of its unit's flat layout (see
 [Note: the unit's flat layout]), so one parameter's local piece is a *flat*
 range ``[local_start, local_end)`` of its flattened elements: not a dim-0
 shard, and not something a DTensor placement can say. A flat range of a
