@@ -474,11 +474,18 @@ def _busy(launches: Sequence[tuple[float, int]], cal: "Calibration") -> list[tup
 
 
 def _overlaps(busy: list[tuple[float, float]], edges: list[float]) -> list[float]:
-    """Per interval between consecutive ``edges`` (from 0), the busy time in it."""
-    out, low = [], 0.0
+    """Per interval between consecutive ``edges`` (ascending, from 0), the
+    busy time in it; ``busy``: ascending intervals that do not overlap."""
+    out, low, first = [], 0.0, 0
     for high in edges:
-        out.append(sum(max(0.0, min(b, high) - max(a, low)) for a, b in busy if a < high and b > low))
-        low = high
+        while first < len(busy) and busy[first][1] <= low:  # over before this interval: over for every later one
+            first += 1
+        total, k = 0.0, first
+        while k < len(busy) and busy[k][0] < high:
+            total += max(0.0, min(busy[k][1], high) - max(busy[k][0], low))
+            k += 1
+        out.append(total)
+        low = max(low, high)
     return out
 
 
