@@ -3,7 +3,7 @@ size, predicted from one recorded run.
 
     PYDIST_TRACE=traces PYDIST_SIM_NET=10Gbps,20us torchrun --nproc_per_node=2 train.py
     python -m pydist.overlap predict traces --link 1Gbps,20us --bucket-cap-mb 4 --json
-    python -m pydist.overlap predict traces --link 1Gbps,20us --recommend 0.25,1,4,25   # see [Note: the recommended cap]
+    python -m pydist.overlap predict traces --link 1Gbps,20us --recommend 0.25,1,4,25  # [Note: the recommended cap]
     # a run across hosts over a real 1 Gb/s link (no simulated one), predicted at 0.1 Gb/s:
     python -m pydist.overlap predict traces --recorded-link 1Gbps --link 0.1Gbps --bucket-cap-mb 4
 
@@ -458,8 +458,9 @@ def calibrate(recording: Recording) -> Calibration:
 # backward costs less backward than one with collectives throughout it,
 # which the per-byte slowdown alone charges the same. Measured on the deep
 # model of bench_overlap.py (2 ranks on 2 shared cores, caps interleaved
-# step by step in one run): the backward took 6.2-6.0 ms with one bucket,
-# 7.4-6.6 ms with 4 of 1 MB, 8.9-7.7 ms with 16 of 0.25 MB (10 and 100 Gb/s).
+# step by step in one run, at 10 and at 100 Gb/s): the backward took 6.2
+# and 6.0 ms with one bucket, 7.4 and 6.6 ms with 4 of 1 MB, 8.9 and 7.7 ms
+# with 16 of 0.25 MB.
 # What it cannot tell from a recording whose buckets are all one size is a
 # collective's fixed cost apart from its cost per byte, and so the busy
 # time of many small collectives: see [Note: the recommended cap].
