@@ -226,6 +226,9 @@ def main():
         per_rank = run_ranks(sweep, 2, args=(args, directories), timeout=1800)
         with open(measured_path, "w") as f:
             json.dump([{json.dumps(list(k)): v for k, v in rank.items()} for rank in per_rank], f)
+    if args.reuse:  # what the kept run measured, not this command's defaults
+        first = next(iter(per_rank[0].values()))
+        args.rounds, args.steps = len(first), len(first[0])
     rows = []
     recommended = []
     for m in args.models:
@@ -255,7 +258,9 @@ def main():
                                     "recommended_cap_mb": rec["cap_mb"], "best_cap_mb": best,
                                     "recommended_measured_ms": measured_by_cap[rec["cap_mb"]],
                                     "best_measured_ms": measured_by_cap[best],
-                                    "within": measured_by_cap[rec["cap_mb"]] / measured_by_cap[best] - 1})
+                                    "within": measured_by_cap[rec["cap_mb"]] / measured_by_cap[best] - 1,
+                                    "fastest_predicted_cap_mb": rec["fastest_cap_mb"],
+                                    "tied_caps_mb": rec["tied_caps_mb"], "error_ms": rec["error_ms"]})
         print(f"{m}: recorded at {args.record[0]:g} Gb/s, cap {args.record[1]:g} MB"
               + (f", first bucket {args.record[2]:g} MB" if len(args.record) > 2 else "") + ": step "
               f"{predict.recorded_step_ms(recording):.2f} ms; calibration {json.dumps(cal.describe())}",
@@ -285,7 +290,8 @@ def main():
     for r in recommended:
         print(f"{r['model']:<6} {r['bandwidth_gbps']:>6g} Gb/s, chunks {r['chunk_mb']:g} MB: recommended cap {r['recommended_cap_mb']:g} MB "
               f"measures {r['recommended_measured_ms']:.2f} ms, best measured {r['best_cap_mb']:g} MB "
-              f"{r['best_measured_ms']:.2f} ms ({100 * r['within']:+.1f}%; target within 5%)")
+              f"{r['best_measured_ms']:.2f} ms ({100 * r['within']:+.1f}%; target within 5%; tied within "
+              f"{r['error_ms']:.2f} ms: {', '.join(f'{c:g}' for c in r['tied_caps_mb'])} MB)")
     print(f"({result['seconds']:.0f} s)")
 
 

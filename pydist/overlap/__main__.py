@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--bucket-cap-mb", type=float, metavar="C", help="default: the recorded cap")
     pre.add_argument("--first-bucket-cap-mb", type=float, metavar="C", help="default: the bucket cap (the wrapper's rule)")
     pre.add_argument("--chunk-mb", type=float, metavar="K", help="allreduce_chunk_mb, 0: whole buckets (default: the recorded one)")
-    pre.add_argument("--recommend", metavar="C1,C2,...", help="also name the cap among these with the shortest step")
+    pre.add_argument("--recommend", metavar="C1,C2,...",
+                     help="the caps to weigh for the recommended one (default: 0.25,1,4,25, the recorded cap and "
+                          "--bucket-cap-mb; see [Note: the recommended cap] in pydist/overlap/predict.py)")
     pre.add_argument("--wrapper", type=int, help="which DDP wrapper of the trace (default: the first)")
     pre.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

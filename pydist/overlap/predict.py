@@ -3,7 +3,7 @@ size, predicted from one recorded run.
 
     PYDIST_TRACE=traces PYDIST_SIM_NET=10Gbps,20us torchrun --nproc_per_node=2 train.py
     python -m pydist.overlap predict traces --link 1Gbps,20us --bucket-cap-mb 4 --json
-    python -m pydist.overlap predict traces --link 1Gbps,20us --recommend 0.25,1,4,25
+    python -m pydist.overlap predict traces --link 1Gbps,20us --recommend 0.25,1,4,25  # [Note: the recommended cap]
     # a run across hosts over a real 1 Gb/s link (no simulated one), predicted at 0.1 Gb/s:
     python -m pydist.overlap predict traces --recorded-link 1Gbps --link 0.1Gbps --bucket-cap-mb 4
 
@@ -28,7 +28,10 @@ step under the new settings and takes the median:
    recording: gaps of parameters of the same kind (name pattern and shape,
    and the same for the gradient before) are compared with and without a
    launch in them (a least-squares fit within each kind). The gaps are
-   freed of the recorded launches and charged with the new ones.
+   freed of the recorded launches and charged with the new ones. Beyond
+   that, the transport's work on a collective preempts the backward in
+   whichever later gap it runs beside: ``contention`` ms per ms the
+   transport is busy, measured from the gaps' tails ([Note: contention]).
 3. Link. For a real link (``--recorded-link``), see [Note: simulated and
    real links]. A simulated one as it models it ([Note: simulated network] in
    csrc/transport/sim_net_transport.cpp, ``network.model_seconds``): one
@@ -62,10 +65,13 @@ from pydist.overlap import network
 
 __all__ = ["LinkKind", "LinkTime", "Settings", "Calibration", "fit_fixed_and_per_byte", "Prediction",
            "BucketPrediction", "Recording", "load_recording", "chunk_slots",
-           "rebucket", "calibrate", "settings_for", "predict", "recommend", "recorded_step_ms", "predict_json",
-           "predict_text"]
+           "rebucket", "calibrate", "settings_for", "predict", "recommend", "prediction_error", "choose_cap",
+           "DEFAULT_RECOMMEND_CAPS_MB", "recorded_step_ms", "predict_json", "predict_text"]
 
 MB = 1024 * 1024
+# The caps ``predict`` weighs for its recommendation when none are given
+# (bench_overlap.py's), beside the recorded cap and the one asked about.
+DEFAULT_RECOMMEND_CAPS_MB = (0.25, 1.0, 4.0, 25.0)
 # Lateness (ms) beyond which a recorded chunk counts as finished by the
 # transport behind the link rather than by the link's model.
 _INNER_BOUND_MS = 0.3
@@ -141,6 +147,7 @@ class Calibration(NamedTuple):
     completion_delay_ms: float     # a held completion's lateness
     write_back_ms_per_byte: float  # finalize writing a bucket back
     inner_fixed_ms: float = 0.0    # the transport behind the link, per collective (see [Note: the transport's fixed cost])
+    contention: float = 0.0        # backward ms lost per ms the transport works beside it (see [Note: contention])
 
     def inner_ms(self, nbytes: int) -> float:
         """The transport's time for one collective of ``nbytes``."""
@@ -150,7 +157,7 @@ class Calibration(NamedTuple):
         return {"slowdown_ms_per_mb": self.slowdown_ms_per_byte * MB, "inner_fixed_ms": self.inner_fixed_ms,
                 "inner_ms_per_mb": self.inner_ms_per_byte * MB,
                 "completion_delay_ms": self.completion_delay_ms,
-                "write_back_ms_per_mb": self.write_back_ms_per_byte * MB}
+                "write_back_ms_per_mb": self.write_back_ms_per_byte * MB, "contention": self.contention}
 
 
 class _Chunk(NamedTuple):
@@ -418,8 +425,103 @@ def calibrate(recording: Recording) -> Calibration:
     inner_fixed, inner_per_byte = fit_fixed_and_per_byte([(t - delay, b) for t, b in inner])
     # the median, not the ratio of sums: a write-back the scheduler interrupted is an outlier, not a cost
     write_back = [t / b for v in recording.steps.values() for r in v for b, t in r.write_back if b > 0]
-    return Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0,
-                       inner_fixed)
+    cal = Calibration(slowdown, inner_per_byte, delay, statistics.median(write_back) if write_back else 0.0,
+                      inner_fixed)
+    return cal._replace(contention=_contention(recording, order, y, cal))
+
+
+# [Note: contention]
+# On cores the backward shares, the transport's work on a collective (its
+# thread woken, the copies and the reduction, the peers met) takes CPU time
+# from the backward while it runs. Little of that shows in the gap a launch
+# falls in, which the per-byte slowdown reads from medians: it lands as a
+# preemption in some gap the collective is busy beside, a different one
+# each step, so in the tail of each position's gaps, which the medians
+# leave out, and not in the gap of the launch. So the calibration compares,
+# per position, the mean gap's excess over its median with the mean time
+# the transport was busy beside that gap (each rank's collectives served
+# one after another from its launches, ``inner_ms`` each), and with the
+# median gap itself: other work on a shared machine stretches every gap
+# in proportion to its compute, collectives or not. The least-squares
+# coefficient of the busy time is ``contention``, backward ms lost per ms
+# the transport works beside it, at most 1 (a rank's backward cannot lose
+# more than the time its transport works). A gap counts at most its median
+# plus the longest recorded collective's ``inner_ms``: a preemption the
+# transport causes lasts no longer than its work, and a longer stretch is
+# other work on the machine (without the bound a loaded machine's long
+# preemptions read as contention: 1 on every loaded recording kept here).
+#
+# The replay takes each gap's share of the recorded contention off (the
+# coefficient times the recorded busy time in it) and stretches the
+# compute by the coefficient times the busy time the new layout puts
+# beside it. So a layout whose one bucket launches at the end of the
+# backward costs less backward than one with collectives throughout it,
+# which the per-byte slowdown alone charges the same. Measured on the deep
+# model of bench_overlap.py (2 ranks on 2 shared cores, caps interleaved
+# step by step in one run, at 10 and at 100 Gb/s): the backward took 6.2
+# and 6.0 ms with one bucket, 7.4 and 6.6 ms with 4 of 1 MB, 8.9 and 7.7 ms
+# with 16 of 0.25 MB.
+# What it cannot tell from a recording whose buckets are all one size is a
+# collective's fixed cost apart from its cost per byte, and so the busy
+# time of many small collectives: see [Note: the recommended cap].
+def _busy(launches: Sequence[tuple[float, int]], cal: "Calibration") -> list[tuple[float, float]]:
+    """One rank's transport busy intervals, its collectives served in launch order."""
+    out, free = [], -math.inf
+    for at, nbytes in sorted(launches):
+        start = max(free, at)
+        free = start + cal.inner_ms(nbytes)
+        out.append((start, free))
+    return out
+
+
+def _overlaps(busy: list[tuple[float, float]], edges: list[float]) -> list[float]:
+    """Per interval between consecutive ``edges`` (ascending, from 0), the
+    busy time in it; ``busy``: ascending intervals that do not overlap."""
+    out, low, first = [], 0.0, 0
+    for high in edges:
+        while first < len(busy) and busy[first][1] <= low:  # over before this interval: over for every later one
+            first += 1
+        total, k = 0.0, first
+        while k < len(busy) and busy[k][0] < high:
+            total += max(0.0, min(busy[k][1], high) - max(busy[k][0], low))
+            k += 1
+        out.append(total)
+        low = max(low, high)
+    return out
+
+
+def _contention(recording: Recording, order: list[int], medians: list[float], cal: Calibration) -> float:
+    """See [Note: contention]."""
+    n = len(order) + 1
+    longest = max((cal.inner_ms(c.bytes) for v in recording.steps.values() for r in v for c in r.chunks), default=0.0)
+    sum_gap = [0.0] * n
+    sum_busy = [0.0] * n
+    count = 0
+    for ranks in recording.steps.values():
+        for r in ranks:
+            gaps, _ = _gaps(r, order)
+            times = [r.grad_ms[p] for p in order] + [r.backward_end_ms]
+            busy = _busy([(c.launch_ms, c.bytes) for c in r.chunks if c.launch_ms <= r.backward_end_ms], cal)
+            for i, (g, b) in enumerate(zip(gaps, _overlaps(busy, times))):
+                sum_gap[i] += min(g, medians[i] + longest)
+                sum_busy[i] += b
+            count += 1
+    if not count:
+        return 0.0
+    # per position (the first gap holds the loss's backward, no gradient's compute): the mean gap's excess
+    # over the median, against the median (other work on the machine stretches all compute alike) and the
+    # mean busy time beside it; least squares through the origin
+    rows = [(sum_gap[i] / count - medians[i], medians[i], sum_busy[i] / count) for i in range(1, n)]
+    saa = sum(a * a for _, a, _ in rows)
+    sbb = sum(b * b for _, _, b in rows)
+    sab = sum(a * b for _, a, b in rows)
+    sya = sum(y * a for y, a, _ in rows)
+    syb = sum(y * b for y, _, b in rows)
+    det = saa * sbb - sab * sab
+    if det <= 0 or sbb <= 0:
+        return 0.0
+    f = (saa * syb - sab * sya) / det
+    return min(1.0, max(0.0, f))
 
 
 def _busy_stretches(recording: Recording, r: _RankStep, starts: list[float]) -> list[tuple[float, int]]:
@@ -554,16 +656,27 @@ def predict(recording: Recording, settings: Settings, calibration: Calibration |
     for nbytes, _, pos in chunks:
         launched_new[min(pos + 1, len(order))] += nbytes
     on_link = [recording.link_time(settings.link, nbytes) for nbytes, _, _ in chunks]
+    launched_at: list[list[int]] = [[] for _ in range(len(order) + 1)]
+    for nbytes, _, pos in chunks:
+        launched_at[min(pos, len(order))].append(nbytes)
     steps, backwards, exposed_total = [], [], []
     exposed_per_bucket = [[] for _ in buckets]
     for ranks in recording.steps.values():
         ready_at, launch_at = {}, {}
         for r in ranks:
             gaps, launched = _gaps(r, order)
-            times, t = [], 0.0
-            for g, x_old, x_new in zip(gaps, launched, launched_new):
-                t += max(0.0, g - cal.slowdown_ms_per_byte * x_old) + cal.slowdown_ms_per_byte * x_new
+            recorded_times = [r.grad_ms[p] for p in order] + [r.backward_end_ms]
+            recorded_busy = _overlaps(_busy([(c.launch_ms, c.bytes) for c in r.chunks
+                                             if c.launch_ms <= r.backward_end_ms], cal), recorded_times)
+            times, t, free = [], 0.0, -math.inf
+            for i, (g, x_old, x_new) in enumerate(zip(gaps, launched, launched_new)):
+                # the gap's compute: the recorded launches' slowdown and contention off, the new launches' on
+                compute = max(0.0, g - cal.slowdown_ms_per_byte * x_old - cal.contention * recorded_busy[i])
+                compute += cal.slowdown_ms_per_byte * x_new
+                t += _stretched(compute, free - t, cal.contention)
                 times.append(t)
+                for nbytes in launched_at[i]:  # launched in the hook of this position's gradient
+                    free = max(free, t) + cal.inner_ms(nbytes)
             ready_at[r.rank] = times
             launch_at[r.rank] = [r.start_ms + times[min(pos, len(order))] for _, _, pos in chunks]
         inner_done, inner_free = [], -math.inf
@@ -605,6 +718,16 @@ def predict(recording: Recording, settings: Settings, calibration: Calibration |
                       statistics.median(exposed_total), out_buckets)
 
 
+def _stretched(compute: float, busy_ms: float, contention: float) -> float:
+    """How long ``compute`` ms of backward take when the transport works for
+    the next ``busy_ms`` ms beside it (see [Note: contention])."""
+    if busy_ms <= 0.0 or contention <= 0.0:
+        return compute
+    if compute >= busy_ms * (1.0 - contention):  # the transport finishes first
+        return compute + contention * busy_ms
+    return compute / (1.0 - contention)
+
+
 def recorded_step_ms(recording: Recording) -> float:
     """The recorded steps, as ``predict`` reports its own: median over steps of the ranks' mean."""
     return statistics.median(statistics.fmean(r.finalize_end_ms for r in v) for v in recording.steps.values())
@@ -626,10 +749,45 @@ def settings_for(recording: Recording, link: "str | network.Link | None" = None,
                     int(chunk_mb * MB) if chunk_mb is not None else base.chunk_bytes)
 
 
+# [Note: the recommended cap]
+# ``recommend`` predicts the step at each cap offered and names the cap to
+# use. A cap whose predicted step is within the predictor's own error of
+# the fastest prediction is as good as the fastest, as far as the
+# recording can tell; among those it names the one nearest the recorded
+# cap (on a log scale; the larger of two as near), whose prediction
+# replays the most of what was measured. The further a cap lies from the
+# recorded one, the more its prediction rests on costs the recording shows
+# only folded together: a recording whose buckets are all one size cannot
+# tell a collective's fixed cost from its cost per byte ([Note: the
+# transport's fixed cost]), and so prices many small buckets too low and
+# few large ones too high. So the advice leaves the recorded cap only for
+# a predicted gain larger than the predictor can vouch for.
+#
+# The error is in ms, measured from the recording: the larger of how far
+# the prediction at the recorded settings lies from the recorded step, and
+# the standard error of the recorded median step (1.2533 times the steps'
+# spread over the square root of their count). In ms rather than a share
+# of the step, because what the predictor is unsure of is the costs it
+# measured on this machine, not the link's modelled time: a step ten times
+# longer behind a slower link is no less certain to within those costs.
+def prediction_error(recording: Recording, calibration: Calibration | None = None) -> float:
+    """The predictor's own error on ``recording``, in ms (see [Note: the
+    recommended cap])."""
+    cal = calibration or calibrate(recording)
+    recorded = recorded_step_ms(recording)
+    own = abs(predict(recording, recording.settings, cal).step_ms - recorded)
+    steps = sorted(statistics.fmean(r.finalize_end_ms for r in v) for v in recording.steps.values())
+    half = (len(steps) + 1) // 2
+    spread = min(b - a for a, b in zip(steps, steps[half - 1:])) / 1.349 if half >= 2 else 0.0
+    return max(own, 1.2533 * spread / math.sqrt(len(steps)))
+
+
 def recommend(recording: Recording, settings: Settings, caps_mb: Sequence[float],
               calibration: Calibration | None = None) -> dict:
-    """The cap among ``caps_mb`` with the shortest predicted step (the
-    first bucket takes the same cap), at ``settings``' link and chunks."""
+    """The cap to use among ``caps_mb`` (the first bucket takes the same
+    cap), at ``settings``' link and chunks: the one nearest the recorded cap
+    among those whose predicted step is within the predictor's own error
+    of the shortest (see [Note: the recommended cap])."""
     from pydist.ddp.buckets import bucket_caps
 
     cal = calibration or calibrate(recording)
@@ -637,8 +795,20 @@ def recommend(recording: Recording, settings: Settings, caps_mb: Sequence[float]
     for cap in caps_mb:
         first, cap_bytes = bucket_caps(cap)
         by_cap[cap] = predict(recording, settings._replace(first_cap_bytes=first, cap_bytes=cap_bytes), cal).step_ms
-    best = min(by_cap, key=by_cap.get)
-    return {"cap_mb": best, "step_ms": by_cap[best], "by_cap": [{"cap_mb": c, "step_ms": t} for c, t in by_cap.items()]}
+    error = prediction_error(recording, cal)
+    recorded_mb = recording.settings.cap_bytes / MB
+    best, tied = choose_cap(by_cap, recorded_mb, error)
+    return {"cap_mb": best, "step_ms": by_cap[best], "fastest_cap_mb": min(by_cap, key=by_cap.get),
+            "error_ms": error, "tied_caps_mb": tied, "recorded_cap_mb": round(recorded_mb, 4),
+            "by_cap": [{"cap_mb": c, "step_ms": t} for c, t in by_cap.items()]}
+
+
+def choose_cap(step_by_cap: dict[float, float], recorded_cap_mb: float, error_ms: float) -> tuple[float, list[float]]:
+    """(the cap to use, the caps tied with the fastest) from predicted steps
+    (ms) by cap: see [Note: the recommended cap]."""
+    fastest = min(step_by_cap.values())
+    tied = sorted(c for c, t in step_by_cap.items() if t <= fastest + error_ms)
+    return min(tied, key=lambda c: (abs(math.log(c / recorded_cap_mb)), -c)), tied
 
 
 def _link_text(link: network.Link, kind: LinkKind) -> str:
@@ -661,8 +831,10 @@ def predict_json(document: dict, link=None, bucket_cap_mb=None, first_bucket_cap
                        "ranks": recording.world_size, "hosts": recording.hosts, **recording.settings.describe(),
                        "link": _link_text(recording.settings.link, recording.link_kind)}
     out["calibration"] = cal.describe()
-    if recommend_caps:
-        out["recommend"] = recommend(recording, settings, recommend_caps, cal)
+    if not recommend_caps:  # bench_overlap.py's caps, the recorded one and the one asked about
+        recommend_caps = sorted({*DEFAULT_RECOMMEND_CAPS_MB, round(recording.settings.cap_bytes / MB, 4),
+                                 round(settings.cap_bytes / MB, 4)})
+    out["recommend"] = recommend(recording, settings, recommend_caps, cal)
     return out
 
 
@@ -680,5 +852,7 @@ def predict_text(result: dict) -> str:
     if "recommend" in result:
         r = result["recommend"]
         caps = ", ".join(f"{c['cap_mb']:g} MB {c['step_ms']:.2f}" for c in r["by_cap"])
-        lines.append(f"recommended cap: {r['cap_mb']:g} MB ({caps} ms)")
+        lines.append(f"recommended cap: {r['cap_mb']:g} MB ({caps} ms; within the predictor's error of "
+                     f"{r['error_ms']:.2f} ms: {', '.join(f'{c:g}' for c in r['tied_caps_mb'])} MB, the one "
+                     f"nearest the recorded {r['recorded_cap_mb']:g} MB named)")
     return "\n".join(lines) + "\n"

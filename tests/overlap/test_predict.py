@@ -127,10 +127,50 @@ def test_prediction_near_the_recording_and_slower_link_slower(recorded):
     assert slow["exposed_ms"] > same["exposed_ms"]
     rec = slow["recommend"]
     assert [c["cap_mb"] for c in rec["by_cap"]] == [0.02, 0.3, 25.0]
-    assert rec["step_ms"] == min(c["step_ms"] for c in rec["by_cap"])
+    _check_recommendation(rec)
+    # without --recommend: bench_overlap.py's caps, the recorded one and the one asked about
+    assert [c["cap_mb"] for c in same["recommend"]["by_cap"]] == [0.1, 0.25, 1.0, 4.0, 25.0]
+    _check_recommendation(same["recommend"])
     code, text, err = _cli(directory, "--bucket-cap-mb", "25")
     assert code == 0, err
     assert text.startswith(f"recorded: {LINK}, cap 0.1 MB") and f"predicted: {LINK}, cap 25 MB" in text
+
+
+def _check_recommendation(rec):
+    """[Note: the recommended cap]: the caps within the predictor's own
+    error of the fastest are tied, and the one nearest the recorded cap
+    among them is named."""
+    import math
+
+    steps = {c["cap_mb"]: c["step_ms"] for c in rec["by_cap"]}
+    fastest = min(steps.values())
+    assert steps[rec["fastest_cap_mb"]] == fastest and rec["error_ms"] >= 0.0, rec
+    assert rec["tied_caps_mb"] == sorted(c for c, t in steps.items() if t <= fastest + rec["error_ms"]), rec
+    nearest = min(rec["tied_caps_mb"], key=lambda c: (abs(math.log(c / rec["recorded_cap_mb"])), -c))
+    assert rec["cap_mb"] == nearest and rec["step_ms"] == steps[nearest], rec
+
+
+def test_recommendation_keeps_the_recorded_cap_unless_another_is_faster_beyond_the_error():
+    """[Note: the recommended cap]: caps predicted within the error of the
+    fastest are tied and the one nearest the recorded cap is named (the
+    larger of two as near); a cap faster beyond the error is named however
+    far from the recorded one."""
+    from pydist.overlap import predict
+
+    steps = {0.25: 10.0, 1.0: 10.3, 4.0: 10.45, 25.0: 13.0}
+    assert predict.choose_cap(steps, 1.0, 0.5) == (1.0, [0.25, 1.0, 4.0])
+    assert predict.choose_cap(steps, 25.0, 0.5) == (4.0, [0.25, 1.0, 4.0])
+    assert predict.choose_cap(steps, 1.0, 0.1) == (0.25, [0.25])
+    assert predict.choose_cap(steps, 1.0, 0.0) == (0.25, [0.25])
+    assert predict.choose_cap({0.5: 10.0, 2.0: 10.0}, 1.0, 0.0) == (2.0, [0.5, 2.0])  # as near: the larger
+    # on a recording: the error is measured from it, and the choice follows the rule
+    recording = _contended_recording(contention=0.5)
+    cal = predict.calibrate(recording)
+    error = predict.prediction_error(recording, cal)
+    assert 0.0 <= error < 0.5, error
+    rec = predict.recommend(recording, predict.settings_for(recording, link="2Gbps,20us"), [0.125, 0.5, 25], cal)
+    _check_recommendation(rec)
+    assert rec["error_ms"] == error and rec["recorded_cap_mb"] == 0.5
 
 
 @pytest.mark.timeout(30)
@@ -218,3 +258,70 @@ def test_fixed_cost_fit_is_robust_to_held_up_collectives():
     fixed, per_byte = predict.fit_fixed_and_per_byte(samples)
     assert abs(fixed - 0.5) <= 0.02 and abs(per_byte * mb - 0.1) <= 0.01, (fixed, per_byte * mb)
     assert predict.fit_fixed_and_per_byte([]) == (0.0, 0.0)
+
+
+def _contended_recording(contention, steps=12, params=40, per_bucket=8, gap_ms=0.1, busy_ms=0.4):
+    """A recording of 2 ranks without a simulated link: ``params`` gradients
+    of 64 KB, ``gap_ms`` apart, in buckets of ``per_bucket``; each bucket's
+    collective keeps the transport busy ``busy_ms`` from its launch, and in
+    every step one gap inside that busy time (a different one each step, so
+    the per-position medians never see it) is longer by ``contention *
+    busy_ms``: a preemption by the transport, as on shared cores."""
+    from pydist.overlap import network, predict
+
+    size = 64 * 1024
+    params_list = [(f"layers.{i}.weight", (size // 4,), "float32", "cpu") for i in range(params)]
+    settings = predict.Settings(network.Link(float("inf"), 0.0), per_bucket * size, per_bucket * size, 0)
+    layout = tuple(tuple(range(b, b + per_bucket)) for b in range(0, params, per_bucket))
+    by_step = {}
+    for step in range(steps):
+        ranks = []
+        for rank in range(2):
+            grads, chunks, t, pending = {}, [], 0.0, []
+            for i in range(params):
+                gap = gap_ms
+                # a preemption owed to a collective in flight lands in one of the gaps its busy time covers
+                for owed in list(pending):
+                    if owed[0] == i:
+                        gap += contention * busy_ms
+                        pending.remove(owed)
+                t += gap
+                grads[i] = t
+                if (i + 1) % per_bucket == 0:
+                    b = i // per_bucket
+                    chunks.append(predict._Chunk(b, per_bucket * size, t, t + busy_ms))
+                    covered = int(busy_ms / gap_ms)
+                    pending.append((i + 1 + step % covered, b))
+            end = t + 0.05
+            ranks.append(predict._RankStep(rank, step, 0.0, grads, end, end + busy_ms + 0.1, chunks,
+                                           [(per_bucket * size, 0.0) for _ in layout], layout))
+        by_step[step] = ranks
+    return predict.Recording(params_list, settings, 2, list(range(params)), by_step)
+
+
+def test_contention_is_measured_and_charged_per_collective_beside_the_backward():
+    """Collectives during the backward stretch it beyond what the gaps'
+    medians show ([Note: contention]): the calibration reads the stretch
+    back from the gaps' means, and the replay charges a layout with more
+    collectives beside the backward more backward, and one whose single
+    bucket launches at its end less; the per-byte slowdown alone charges
+    every layout the same backward."""
+    from pydist.overlap import predict
+
+    recording = _contended_recording(contention=0.5)
+    cal = predict.calibrate(recording)
+    assert 0.25 <= cal.contention <= 0.8, cal
+    recorded = predict.predict(recording, recording.settings, cal)
+    one = predict.predict(recording, predict.settings_for(recording, bucket_cap_mb=25), cal)
+    many = predict.predict(recording, predict.settings_for(recording, bucket_cap_mb=0.125), cal)
+    assert len(one.buckets) == 1 and len(many.buckets) == 20
+    # 4 collectives beside the recorded backward, each stretching it by 0.2 ms
+    assert one.backward_ms < recorded.backward_ms - 0.4, (one, recorded)
+    # 19 of 20 collectives (the same bytes) beside the backward where 4 of 5 were: a little more
+    assert many.backward_ms > recorded.backward_ms + 0.05, (many, recorded)
+    none = cal._replace(contention=0.0)
+    flat = [predict.predict(recording, predict.settings_for(recording, bucket_cap_mb=c), none).backward_ms
+            for c in (0.125, 25)]
+    assert abs(flat[0] - flat[1]) < 0.1, flat
+    # no contention recorded: none measured
+    assert predict.calibrate(_contended_recording(contention=0.0)).contention <= 0.05
