@@ -17,7 +17,8 @@ namespace {
 void allocate_buffer(Bucket& bucket, const at::TensorOptions& options) {
   int64_t numel = 0;
   for (size_t length : bucket.lengths) numel += static_cast<int64_t>(length);
-  bucket.buffer = at::empty({numel}, options.memory_format(at::MemoryFormat::Contiguous));
+  bucket.buffer = bucket.allocate(numel, options);
+  TORCH_INTERNAL_ASSERT(bucket.buffer.is_contiguous() && bucket.buffer.numel() == numel);
   bucket.views.clear();
   for (size_t slot = 0; slot < bucket.num_slots(); ++slot) bucket.views.push_back(bucket.slot_of(bucket.buffer, slot));
   bucket.resident.assign(bucket.num_slots(), std::nullopt);
@@ -26,9 +27,10 @@ void allocate_buffer(Bucket& bucket, const at::TensorOptions& options) {
 }  // namespace
 
 Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices, int64_t index,
-                   int64_t chunk_bytes) {
+                   int64_t chunk_bytes, BufferAllocator allocate) {
   TORCH_CHECK(!indices.empty(), "make_bucket: bucket ", index, " is empty");
   Bucket bucket;
+  bucket.allocate = std::move(allocate);
   size_t offset = 0;
   for (int64_t i : indices) {
     const at::Tensor& t = tensors.at(i);
@@ -38,7 +40,8 @@ Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int
     bucket.sizes.push_back(t.sizes());
     offset += static_cast<size_t>(t.numel());
   }
-  allocate_buffer(bucket, tensors[indices[0]].options());
+  const at::Tensor& first = tensors[indices[0]];
+  allocate_buffer(bucket, at::TensorOptions().dtype(first.scalar_type()).device(first.device()));
   bucket.record.index = index;
   bucket.record.num_params = static_cast<int64_t>(bucket.num_slots());
   bucket.record.bytes = static_cast<int64_t>(bucket.buffer.nbytes());
@@ -48,7 +51,9 @@ Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int
   return bucket;
 }
 
-void allocate_buffer(Bucket& bucket) { allocate_buffer(bucket, bucket.buffer.options()); }
+void allocate_buffer(Bucket& bucket) {
+  allocate_buffer(bucket, at::TensorOptions().dtype(bucket.buffer.scalar_type()).device(bucket.buffer.device()));
+}
 
 void split_into_chunks(Bucket& bucket, int64_t chunk_bytes) {
   const int64_t itemsize = bucket.buffer.element_size();
