@@ -6,6 +6,8 @@
 
 #include "ops/flatten.h"
 
+#include <torch/csrc/autograd/variable.h>
+
 #include <algorithm>
 
 namespace pydist {
@@ -180,7 +182,24 @@ class ResidentPlacement : public CopyPlacement {
 
   void fill_chunk(Bucket& bucket, const Chunk& chunk, double scale) override {
     if (chunk.first_slot == 0) make_bucket_writable(bucket);
+    // Every gradient in its slot and no scale to apply (the transport takes
+    // it): nothing to copy, so no segment plan either. The steady state of
+    // resident gradients, per parameter per step.
+    if (scale == 1.0 && all_in_slot(bucket, chunk, at::Tensor())) return;
     CopyPlacement::fill_chunk(bucket, chunk, scale);  // flatten_into skips what is in place already
+  }
+
+  void write_back(Bucket& bucket, const Chunk& chunk, const at::Tensor& result,
+                  const at::Tensor& global_used) override {
+    // The reduced values already lie where every gradient lives: only the
+    // version counters are left of what unflatten_into would do.
+    if (result.const_data_ptr() == bucket.buffer.const_data_ptr() && all_in_slot(bucket, chunk, global_used)) {
+      for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
+        torch::autograd::impl::bump_version(params_[bucket.param_indices[slot]].grad());
+      }
+      return;
+    }
+    CopyPlacement::write_back(bucket, chunk, result, global_used);
   }
 
  protected:
@@ -205,6 +224,16 @@ class ResidentPlacement : public CopyPlacement {
   }
 
  private:
+  // Whether every gradient of the chunk is in its slot (and, given the
+  // reduced used map, every parameter was used somewhere).
+  bool all_in_slot(const Bucket& bucket, const Chunk& chunk, const at::Tensor& global_used) const {
+    for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
+      const int64_t i = bucket.param_indices[slot];
+      if (globally_unused(global_used, i) || !in_slot(bucket, slot, params_[i].grad())) return false;
+    }
+    return true;
+  }
+
   static bool in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) {
     return grad.defined() && grad.numel() > 0 && grad.const_data_ptr() == bucket.views[slot].const_data_ptr() &&
            grad.is_contiguous() && grad.scalar_type() == bucket.buffer.scalar_type();
