@@ -11,9 +11,11 @@ stats say which path each all-reduce took, so every test also checks that
 the path it means to test was the one taken.
 """
 
+import multiprocessing as mp
 import os
 import secrets
 import threading
+import time
 
 import pytest
 import torch
@@ -163,6 +165,33 @@ def test_in_place_peer_that_shuts_down_fails_the_wait_at_once():
     ends[1].close()
     with pytest.raises(RuntimeError, match="rank 1 has shut its end down"):
         future.wait()
+
+
+def _reduce_once_then_die(name):
+    end = _C.ShmTransport(name, 1, 2, create=False, timeout_s=60)
+    buffer = end.empty_buffer(1000)
+    buffer.copy_(_ints(1000, 1, torch.float32))
+    end.all_reduce(buffer).wait()
+    os._exit(3)  # no destructor: as if killed
+
+
+@pytest.mark.timeout(60)
+def test_in_place_peer_process_that_died_fails_the_wait_at_once():
+    name = f"/pydist-test-{os.getpid()}-{secrets.token_hex(4)}"
+    end = _C.ShmTransport(name, 0, 2, create=True, timeout_s=60)
+    child = mp.get_context("spawn").Process(target=_reduce_once_then_die, args=(name,))
+    child.start()
+    buffer = end.empty_buffer(1000)
+    buffer.copy_(_ints(1000, 0, torch.float32))
+    end.all_reduce(buffer).wait()  # with the child, in place (it has mapped the child's buffer)
+    assert torch.equal(buffer, _ints(1000, 0, torch.float32) + _ints(1000, 1, torch.float32))
+    assert end.stats()["in_place_all_reduces"] == 1
+    child.join(30)
+    end.unlink()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"rank 1 .*its process \(pid {child.pid}\) has exited"):
+        end.all_reduce(buffer).wait()
+    assert time.monotonic() - start < 5
 
 
 # --------------------------------------------------------------------------

@@ -884,8 +884,13 @@ char* ShmTransport::peer_piece(int64_t peer, size_t bytes) {
     char path[64];
     std::snprintf(path, sizeof(path), "/proc/%d/fd/%d", static_cast<int>(block.pid), static_cast<int>(block.piece_fd));
     const int fd = open(path, O_RDWR | O_CLOEXEC);
-    TORCH_CHECK(fd >= 0, "shared-memory all-reduce (", name_, "): rank ", rank_, " could not open rank ", peer,
-                "'s gradient buffer ", path, ": ", std::strerror(errno));
+    if (fd < 0) {
+      const int err = errno;
+      TORCH_CHECK(!process_gone(block.pid), "shared-memory all-reduce (", name_, "): rank ", rank_,
+                  " could not map rank ", peer, "'s gradient buffer: its process (pid ", block.pid, ") has exited");
+      TORCH_CHECK(false, "shared-memory all-reduce (", name_, "): rank ", rank_, " could not open rank ", peer,
+                  "'s gradient buffer ", path, ": ", std::strerror(err));
+    }
     struct stat st {};
     const bool sized = fstat(fd, &st) == 0 && st.st_size > 0;
     void* base = sized ? mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
