@@ -127,7 +127,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_gather_many", &tp::Transport::all_gather_many, py::arg("inputs"), py::arg("outputs"), nogil,
            "outputs[q][i] := rank q's inputs[i]: one all-gather of the inputs' concatenation, scattered into "
            "the outputs (one list per rank, matching inputs' sizes)")
-      .def("stats", &tp::Transport::stats, "counters a wrapper keeps; empty otherwise")
+      .def(
+          "empty_buffer",
+          [](tp::Transport& t, int64_t numel, at::ScalarType dtype) {
+            return t.empty_buffer(numel, at::TensorOptions().dtype(dtype));
+          },
+          py::arg("numel"), py::arg("dtype") = at::kFloat,
+          "an uninitialized 1-d CPU tensor to all-reduce pieces of: the shared-memory transport reduces "
+          "pieces of such buffers in place ([Note: buckets in shared memory])")
+      .def("stats", &tp::Transport::stats,
+           "counters a wrapper keeps, or the shared-memory transport's in-place and copied all-reduces; "
+           "empty otherwise")
       .def("abort", &tp::Transport::abort, py::arg("why"),
            "this rank has failed: peers waiting on it through shared memory fail at once repeating `why`")
       .def("set_stamp_completion", &tp::Transport::set_stamp_completion, py::arg("on"))

@@ -100,6 +100,9 @@ class Transport:
     def all_gather_many(self, inputs: list[torch.Tensor], outputs: list[list[torch.Tensor]]) -> TransportFuture:
         """One all-gather of the concatenation of ``inputs``: rank q's ``inputs[i]``
         lands in ``outputs[q][i]`` (contiguous, one dtype, sizes matching)."""
+    def empty_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialized 1-d CPU tensor to all-reduce pieces of; the shared-memory
+        transport reduces pieces of its own buffers in place."""
     def stats(self) -> dict[str, int]: ...
     def abort(self, why: str) -> None: ...
     def set_stamp_completion(self, on: bool) -> None: ...

@@ -6,6 +6,8 @@
 
 #include "ops/flatten.h"
 
+#include <torch/csrc/autograd/variable.h>
+
 #include <algorithm>
 
 namespace pydist {
@@ -17,7 +19,8 @@ namespace {
 void allocate_buffer(Bucket& bucket, const at::TensorOptions& options) {
   int64_t numel = 0;
   for (size_t length : bucket.lengths) numel += static_cast<int64_t>(length);
-  bucket.buffer = at::empty({numel}, options.memory_format(at::MemoryFormat::Contiguous));
+  bucket.buffer = bucket.allocate(numel, options);
+  TORCH_INTERNAL_ASSERT(bucket.buffer.is_contiguous() && bucket.buffer.numel() == numel);
   bucket.views.clear();
   for (size_t slot = 0; slot < bucket.num_slots(); ++slot) bucket.views.push_back(bucket.slot_of(bucket.buffer, slot));
   bucket.resident.assign(bucket.num_slots(), std::nullopt);
@@ -26,9 +29,10 @@ void allocate_buffer(Bucket& bucket, const at::TensorOptions& options) {
 }  // namespace
 
 Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices, int64_t index,
-                   int64_t chunk_bytes) {
+                   int64_t chunk_bytes, BufferAllocator allocate) {
   TORCH_CHECK(!indices.empty(), "make_bucket: bucket ", index, " is empty");
   Bucket bucket;
+  bucket.allocate = std::move(allocate);
   size_t offset = 0;
   for (int64_t i : indices) {
     const at::Tensor& t = tensors.at(i);
@@ -38,7 +42,8 @@ Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int
     bucket.sizes.push_back(t.sizes());
     offset += static_cast<size_t>(t.numel());
   }
-  allocate_buffer(bucket, tensors[indices[0]].options());
+  const at::Tensor& first = tensors[indices[0]];
+  allocate_buffer(bucket, at::TensorOptions().dtype(first.scalar_type()).device(first.device()));
   bucket.record.index = index;
   bucket.record.num_params = static_cast<int64_t>(bucket.num_slots());
   bucket.record.bytes = static_cast<int64_t>(bucket.buffer.nbytes());
@@ -48,7 +53,9 @@ Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int
   return bucket;
 }
 
-void allocate_buffer(Bucket& bucket) { allocate_buffer(bucket, bucket.buffer.options()); }
+void allocate_buffer(Bucket& bucket) {
+  allocate_buffer(bucket, at::TensorOptions().dtype(bucket.buffer.scalar_type()).device(bucket.buffer.device()));
+}
 
 void split_into_chunks(Bucket& bucket, int64_t chunk_bytes) {
   const int64_t itemsize = bucket.buffer.element_size();
@@ -175,7 +182,24 @@ class ResidentPlacement : public CopyPlacement {
 
   void fill_chunk(Bucket& bucket, const Chunk& chunk, double scale) override {
     if (chunk.first_slot == 0) make_bucket_writable(bucket);
+    // Every gradient in its slot and no scale to apply (the transport takes
+    // it): nothing to copy, so no segment plan either. The steady state of
+    // resident gradients, per parameter per step.
+    if (scale == 1.0 && all_in_slot(bucket, chunk, at::Tensor())) return;
     CopyPlacement::fill_chunk(bucket, chunk, scale);  // flatten_into skips what is in place already
+  }
+
+  void write_back(Bucket& bucket, const Chunk& chunk, const at::Tensor& result,
+                  const at::Tensor& global_used) override {
+    // The reduced values already lie where every gradient lives: only the
+    // version counters are left of what unflatten_into would do.
+    if (result.const_data_ptr() == bucket.buffer.const_data_ptr() && all_in_slot(bucket, chunk, global_used)) {
+      for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
+        torch::autograd::impl::bump_version(params_[bucket.param_indices[slot]].grad());
+      }
+      return;
+    }
+    CopyPlacement::write_back(bucket, chunk, result, global_used);
   }
 
  protected:
@@ -200,6 +224,16 @@ class ResidentPlacement : public CopyPlacement {
   }
 
  private:
+  // Whether every gradient of the chunk is in its slot (and, given the
+  // reduced used map, every parameter was used somewhere).
+  bool all_in_slot(const Bucket& bucket, const Chunk& chunk, const at::Tensor& global_used) const {
+    for (size_t slot = chunk.first_slot; slot < chunk.end_slot; ++slot) {
+      const int64_t i = bucket.param_indices[slot];
+      if (globally_unused(global_used, i) || !in_slot(bucket, slot, params_[i].grad())) return false;
+    }
+    return true;
+  }
+
   static bool in_slot(const Bucket& bucket, size_t slot, const at::Tensor& grad) {
     return grad.defined() && grad.numel() > 0 && grad.const_data_ptr() == bucket.views[slot].const_data_ptr() &&
            grad.is_contiguous() && grad.scalar_type() == bucket.buffer.scalar_type();

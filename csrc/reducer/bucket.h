@@ -9,6 +9,7 @@
 #include <c10/core/StorageImpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -29,6 +30,11 @@ struct Chunk {
   transport::Future future;  // its collective in flight, from launch until waited on
 };
 
+// Where a bucket's buffer comes from: `numel` uninitialized elements of
+// `options`. The reducer passes its transport's empty_buffer, so a transport
+// that reduces buffers in place (shared memory) gets buckets it can reach.
+using BufferAllocator = std::function<at::Tensor(int64_t numel, const at::TensorOptions& options)>;
+
 // One group of tensors of one dtype and device, each a slot of `buffer`:
 // the unit comm hooks and records see.
 struct Bucket {
@@ -38,6 +44,7 @@ struct Bucket {
   std::vector<size_t> lengths;          // numel of each
   std::vector<c10::IntArrayRef> sizes;  // shape of each (the tensors own them)
   at::Tensor buffer;                    // the flat data, reduced in place
+  BufferAllocator allocate;             // makes `buffer` (and any fresh one)
   std::vector<at::Tensor> views;        // views of buffer shaped like the tensors
   std::vector<Chunk> chunks;            // launch units, in order (split_into_chunks)
   std::vector<size_t> chunk_of_slot;    // which chunk each slot belongs to
@@ -62,13 +69,15 @@ struct Bucket {
 
 // A bucket of tensors[i] for i in `indices` (non-empty; one dtype and device,
 // which the caller checked), laid out in that order in a new contiguous
-// buffer, cut into chunks of about `chunk_bytes` (split_into_chunks); `index`
-// numbers its record. `tensors` must outlive it (sizes point into them).
+// buffer from `allocate`, cut into chunks of about `chunk_bytes`
+// (split_into_chunks); `index` numbers its record. `tensors` must outlive it
+// (sizes point into them).
 Bucket make_bucket(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices, int64_t index,
-                   int64_t chunk_bytes);
+                   int64_t chunk_bytes, BufferAllocator allocate);
 
-// Gives the bucket a fresh buffer (same dtype, device and layout) and views;
-// forgets resident slots. Old views and slots keep the old buffer alive.
+// Gives the bucket a fresh buffer (same dtype, device and layout, from its
+// allocator) and views; forgets resident slots. Old views and slots keep the
+// old buffer alive.
 void allocate_buffer(Bucket& bucket);
 
 // Cuts the bucket into chunks of about `chunk_bytes`, each ending at the slot

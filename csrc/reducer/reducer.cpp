@@ -89,7 +89,22 @@ void Reducer::adopt_transport(std::shared_ptr<transport::Transport> transport) {
   placement_ = choose_grad_placement(params_, param_names_, options_.gradient_as_bucket_view, resident_allowed);
   // A transport that owns buckets (a comm hook) gets them whole.
   const int64_t chunk_bytes = transport_->owns_buckets() ? 0 : options_.chunk_bytes;
-  for (Bucket& bucket : buckets_) split_into_chunks(bucket, chunk_bytes);
+  for (Bucket& bucket : buckets_) {
+    split_into_chunks(bucket, chunk_bytes);
+    // Buffers made from now on (a rebuild, a fresh buffer) come from this
+    // transport; the current ones stay, and still work as pieces anywhere.
+    bucket.allocate = bucket_allocator();
+  }
+}
+
+BufferAllocator Reducer::bucket_allocator() const {
+  // The transport, not the reducer, is kept alive by the buckets' buffers;
+  // the allocator is replaced whenever the transport is.
+  std::weak_ptr<transport::Transport> weak = transport_;
+  return [weak](int64_t numel, const at::TensorOptions& options) {
+    const auto transport = weak.lock();
+    return transport ? transport->empty_buffer(numel, options) : at::empty({numel}, options);
+  };
 }
 
 void Reducer::set_comm_hook(std::shared_ptr<transport::Transport> hook_transport) {
@@ -145,7 +160,7 @@ void Reducer::initialize_buckets(std::vector<std::vector<int64_t>> bucket_indice
   locators_.assign(params_.size(), Locator{});
   const int64_t chunk_bytes = transport_->owns_buckets() ? 0 : options_.chunk_bytes;
   for (size_t b = 0; b < bucket_indices.size(); ++b) {
-    Bucket bucket = make_bucket(params_, bucket_indices[b], static_cast<int64_t>(b), chunk_bytes);
+    Bucket bucket = make_bucket(params_, bucket_indices[b], static_cast<int64_t>(b), chunk_bytes, bucket_allocator());
     for (size_t slot = 0; slot < bucket.num_slots(); ++slot) locators_[bucket.param_indices[slot]] = Locator{b, slot};
     placement_->adopt(bucket);
     buckets_.push_back(std::move(bucket));

@@ -310,6 +310,8 @@ class Reducer {
   void check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const;
   void initialize_buckets(std::vector<std::vector<int64_t>> bucket_indices);
   void adopt_transport(std::shared_ptr<transport::Transport> transport);
+  // Bucket buffers from the current transport (Transport::empty_buffer).
+  BufferAllocator bucket_allocator() const;
   void check_state(ReducerState expected, const char* where) const;
   void check_before_first_backward(const char* what) const;
   void reset_for_backward();

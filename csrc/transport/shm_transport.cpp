@@ -35,7 +35,7 @@ namespace pydist {
 namespace {
 
 constexpr uint64_t kMagic = 0x70796469'73747368ULL;  // "pydistsh"
-constexpr uint32_t kLayoutVersion = 4;
+constexpr uint32_t kLayoutVersion = 5;
 constexpr size_t kHeaderBytes = 4096;
 // Checks of a counter before going to sleep on it: a peer that is running
 // usually arrives within this, and sleeping costs two syscalls and a wakeup.
@@ -81,8 +81,16 @@ struct alignas(64) ShmRankBlock {
   uint32_t call_dtype; // its at::ScalarType
   uint32_t pad3;
   int64_t call_numel;  // elements per rank: the piece, the output shard, or the shard
-  char pad4[40];
+  // An all-reduce's piece, announced with its description: see [Note:
+  // buckets in shared memory] in shm_transport.h.
+  uint64_t piece_id;     // the empty_buffer() buffer it lies in; 0: none
+  uint64_t piece_offset; // its first byte's offset in that buffer
+  int32_t piece_fd;      // the buffer's fd in this rank's process
+  uint32_t map_ok;       // 1: this rank could map every peer's buffer; 2: it could not
+  uint32_t frees;        // buffers this rank has freed (peers then map afresh)
+  char pad4[12];
 };
+static_assert(sizeof(ShmRankBlock) == 256, "four cache lines per rank");
 
 size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
 
@@ -197,6 +205,58 @@ struct ShmSegment {
   }
 };
 
+// This rank's empty_buffer() buffers, by address, for the worker to find a
+// piece's buffer. Shared with every buffer's deleter, which may run after
+// the transport is gone (a gradient outlives its model's wrapper).
+struct ShmBuffers {
+  struct Buffer {
+    uint64_t id = 0;  // unique within the process, never 0
+    int fd = -1;
+    size_t bytes = 0;
+  };
+  std::mutex mutex;
+  std::map<uintptr_t, Buffer> by_base;
+  uint64_t next_id = 1;
+  uint32_t* frees = nullptr;  // this rank's counter in the segment; null once unmapped
+  pid_t owner_pid = 0;
+
+  // The buffer's deleter: unmaps it and counts the free for the peers. A
+  // forked child only drops its own mapping and fd (the parent's worker may
+  // have held the mutex at the fork; the counter is the parent's).
+  void release(void* data) {
+    if (getpid() != owner_pid) {
+      // The size is not known without the map; the child's copy of it is
+      // still readable, the mutex is not to be trusted.
+      auto it = by_base.find(reinterpret_cast<uintptr_t>(data));
+      if (it != by_base.end()) {
+        munmap(data, it->second.bytes);
+        close(it->second.fd);
+      }
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = by_base.find(reinterpret_cast<uintptr_t>(data));
+    if (it == by_base.end()) return;
+    munmap(data, it->second.bytes);
+    close(it->second.fd);
+    by_base.erase(it);
+    if (frees != nullptr) __atomic_add_fetch(frees, 1u, __ATOMIC_RELEASE);
+  }
+
+  // Whether [data, data + bytes) lies in one buffer; if so, which and where.
+  bool find(const void* data, size_t bytes, Buffer* buffer, uint64_t* offset) {
+    const auto at = reinterpret_cast<uintptr_t>(data);
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = by_base.upper_bound(at);
+    if (it == by_base.begin()) return false;
+    --it;
+    if (at + bytes > it->first + it->second.bytes) return false;
+    *buffer = it->second;
+    *offset = at - it->first;
+    return true;
+  }
+};
+
 // --- setting up and tearing down ------------------------------------------
 
 ShmTransport::ShmTransport(std::string name, int64_t rank, int64_t world_size, bool create,
@@ -259,6 +319,11 @@ ShmTransport::ShmTransport(std::string name, int64_t rank, int64_t world_size, b
   ShmRankBlock& me = segment->ranks[rank_];
   me.pid = static_cast<int32_t>(getpid());
   me.pid_ns = pid_namespace();
+  buffers_ = std::make_shared<ShmBuffers>();
+  buffers_->frees = &me.frees;
+  buffers_->owner_pid = owner_pid_;
+  peer_buffers_.resize(static_cast<size_t>(world_size_));
+  peer_frees_seen_.assign(static_cast<size_t>(world_size_), 0);
   store(&me.state, kAttached);
   queue_->thread = std::thread([this] { work_loop(); });
   // The last rank to map needs the name no more than anyone after it.
@@ -277,6 +342,10 @@ ShmTransport::~ShmTransport() {
     return;
   }
   shut_down();
+  {
+    std::lock_guard<std::mutex> lock(buffers_->mutex);
+    buffers_->frees = nullptr;  // buffers freed from now on count nowhere
+  }
   munmap(base_, mapped_bytes_);
   if (create_) unlink();  // set-up ended before anyone did; harmless if done
 }
@@ -289,6 +358,7 @@ void ShmTransport::shut_down() {
   }
   queue_->wake.notify_all();
   queue_->thread.join();  // it empties the queue first: those jobs fail fast
+  for (int64_t q = 0; q < world_size_; ++q) unmap_peer_buffers(q);
   store(&segment_->ranks[rank_].state, kDetached);
   for (Phase phase : {Phase::kStaged, Phase::kReduced}) futex_wake_all(counter(rank_, phase));
 }
@@ -476,6 +546,13 @@ void ShmTransport::run_job(const Job& job) {
     }
     return run_all_gather(shard, outputs, element_size);
   }
+  if (job.kind == transport::Collective::kAllReduce && world_size_ > 1) {
+    if (in_place_ != InPlace::kNo && all_reduce_in_place(job.input, job.scale)) {
+      in_place_calls_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    copied_calls_.fetch_add(1, std::memory_order_relaxed);
+  }
   auto run = [&](auto* input, auto scale) {
     using T = std::remove_pointer_t<decltype(input)>;
     switch (job.kind) {
@@ -661,6 +738,178 @@ void ShmTransport::run_all_gather(const Spans& shard, const std::vector<Spans>& 
     at = next;
     finish_step(piece);
   }
+}
+
+// --- [Note: buckets in shared memory] --------------------------------------
+
+at::Tensor ShmTransport::empty_buffer(int64_t numel, const at::TensorOptions& options) {
+  const at::ScalarType dtype = options.dtype().toScalarType();
+  if (world_size_ == 1 || numel <= 0 || options.device().type() != at::kCPU || !supports(dtype) ||
+      getpid() != owner_pid_ || closed_) {
+    return at::empty({numel}, options);
+  }
+  const size_t bytes = round_up(static_cast<size_t>(numel) * c10::elementSize(dtype), 4096);
+  const int fd = memfd_create("pydist-bucket", MFD_CLOEXEC);
+  if (fd < 0) return at::empty({numel}, options);
+  // Reserve the pages now, as for the segment: memory that cannot be had
+  // means private memory (copied collectives), not a SIGBUS at a later write.
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0 || posix_fallocate(fd, 0, static_cast<off_t>(bytes)) != 0) {
+    close(fd);
+    return at::empty({numel}, options);
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    close(fd);
+    return at::empty({numel}, options);
+  }
+  std::shared_ptr<ShmBuffers> buffers = buffers_;
+  {
+    std::lock_guard<std::mutex> lock(buffers->mutex);
+    buffers->by_base[reinterpret_cast<uintptr_t>(base)] = ShmBuffers::Buffer{buffers->next_id++, fd, bytes};
+  }
+  return at::from_blob(base, {numel}, [buffers](void* data) { buffers->release(data); }, options);
+}
+
+std::map<std::string, int64_t> ShmTransport::stats() const {
+  return {{"in_place_all_reduces", in_place_calls_.load(std::memory_order_relaxed)},
+          {"copied_all_reduces", copied_calls_.load(std::memory_order_relaxed)}};
+}
+
+bool ShmTransport::all_reduce_in_place(const at::Tensor& piece, double scale) {
+  const int64_t n = world_size_;
+  const size_t bytes = piece.nbytes();
+  ShmRankBlock& me = segment_->ranks[rank_];
+  ShmBuffers::Buffer buffer;
+  uint64_t offset = 0;
+  const bool in_buffer = buffers_->find(piece.const_data_ptr(), bytes, &buffer, &offset);
+  me.piece_id = in_buffer ? buffer.id : 0;
+  me.piece_offset = offset;
+  me.piece_fd = buffer.fd;
+  uint32_t step = ++pieces_done_;
+  publish(Phase::kStaged, step);  // announce: this rank's piece is final
+  wait_for_peers(Phase::kStaged, step);
+  for (int64_t q = 0; q < n; ++q) {
+    if (segment_->ranks[q].piece_id == 0) return false;  // copied, by every rank alike
+  }
+  std::vector<char*> pieces(static_cast<size_t>(n));
+  pieces[rank_] = static_cast<char*>(piece.data_ptr());
+  if (in_place_ == InPlace::kUnknown) {
+    // The first time: can every rank map every peer's buffer? All learn the
+    // answer after one more step and take the same path from then on.
+    bool mapped = true;
+    try {
+      for (int64_t q = 0; q < n; ++q) {
+        if (q != rank_) pieces[q] = peer_piece(q, bytes);
+      }
+    } catch (const std::exception&) {
+      mapped = false;
+    }
+    store(&me.map_ok, mapped ? 1u : 2u);
+    finish_step(step);
+    bool all = true;
+    for (int64_t q = 0; q < n; ++q) all = all && load(&segment_->ranks[q].map_ok) == 1u;
+    in_place_ = all ? InPlace::kYes : InPlace::kNo;
+    if (!all) {
+      for (int64_t q = 0; q < n; ++q) unmap_peer_buffers(q);
+      return false;
+    }
+    step = ++pieces_done_;  // the reduce below ends a step of its own
+  } else {
+    for (int64_t q = 0; q < n; ++q) {
+      if (q != rank_) pieces[q] = peer_piece(q, bytes);
+    }
+  }
+  auto run = [&](auto* typed, auto s) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    std::vector<T*> terms(static_cast<size_t>(n));
+    for (int64_t q = 0; q < n; ++q) terms[q] = reinterpret_cast<T*>(pieces[q]);
+    reduce_in_place<T>(terms, piece.numel(), s);
+  };
+  switch (piece.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr), static_cast<float>(scale)); break;
+    case at::kDouble: run(static_cast<double*>(nullptr), scale); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), static_cast<float>(scale)); break;
+    case at::kHalf: run(static_cast<c10::Half*>(nullptr), static_cast<float>(scale)); break;
+    default: TORCH_CHECK(false, "ShmTransport: unsupported dtype ", piece.scalar_type());
+  }
+  finish_step(step);
+  return true;
+}
+
+template <typename T, typename Scale>
+void ShmTransport::reduce_in_place(const std::vector<T*>& pieces, int64_t numel, Scale scale) {
+  static_assert(std::is_same_v<Scale, acc_t<T>>, "the scale is applied in the accumulate type");
+  const int64_t n = world_size_;
+  // Slice r of every piece is rank r's to sum; slices are multiples of 16
+  // elements, as in run_pieces.
+  const int64_t slice = (numel + 16 * n - 1) / (16 * n) * 16;
+  const int64_t begin = std::min(numel, rank_ * slice);
+  const int64_t len = std::min(numel, begin + slice) - begin;
+  if (n == 2) {
+    T* __restrict x0 = pieces[0] + begin;
+    T* __restrict x1 = pieces[1] + begin;
+    for (int64_t i = 0; i < len; ++i) x0[i] = x1[i] = add(scaled(x0[i], scale), scaled(x1[i], scale));
+    return;
+  }
+  // In blocks that stay in the cache: the rank-order sum of the scaled
+  // terms (as sum_in_rank_order over staged terms), then into every piece.
+  constexpr int64_t kBlock = 4096;
+  std::vector<T> sum(static_cast<size_t>(std::min(kBlock, std::max<int64_t>(len, 1))));
+  for (int64_t done = 0; done < len; done += kBlock) {
+    const int64_t m = std::min(kBlock, len - done);
+    const T* __restrict first = pieces[0] + begin + done;
+    const T* __restrict second = pieces[1] + begin + done;
+    T* __restrict out = sum.data();
+    for (int64_t i = 0; i < m; ++i) out[i] = add(scaled(first[i], scale), scaled(second[i], scale));
+    for (int64_t q = 2; q < n; ++q) {
+      const T* __restrict term = pieces[q] + begin + done;
+      for (int64_t i = 0; i < m; ++i) out[i] = add(out[i], scaled(term[i], scale));
+    }
+    for (int64_t q = 0; q < n; ++q) std::memcpy(pieces[q] + begin + done, out, static_cast<size_t>(m) * sizeof(T));
+  }
+}
+
+char* ShmTransport::peer_piece(int64_t peer, size_t bytes) {
+  const ShmRankBlock& block = segment_->ranks[peer];
+  const uint32_t frees = load(&block.frees);
+  if (frees != peer_frees_seen_[peer]) {
+    // The peer freed buffers: drop every mapping of its (the live ones are
+    // mapped again as they come), so freed memory is not kept alive here.
+    unmap_peer_buffers(peer);
+    peer_frees_seen_[peer] = frees;
+  }
+  auto& mapped = peer_buffers_[peer];
+  auto it = mapped.find(block.piece_id);
+  if (it == mapped.end()) {
+    char path[64];
+    std::snprintf(path, sizeof(path), "/proc/%d/fd/%d", static_cast<int>(block.pid), static_cast<int>(block.piece_fd));
+    const int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      TORCH_CHECK(!process_gone(block.pid), "shared-memory all-reduce (", name_, "): rank ", rank_,
+                  " could not map rank ", peer, "'s gradient buffer: its process (pid ", block.pid, ") has exited");
+      TORCH_CHECK(false, "shared-memory all-reduce (", name_, "): rank ", rank_, " could not open rank ", peer,
+                  "'s gradient buffer ", path, ": ", std::strerror(err));
+    }
+    struct stat st {};
+    const bool sized = fstat(fd, &st) == 0 && st.st_size > 0;
+    void* base = sized ? mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                       : MAP_FAILED;
+    const int err = errno;
+    close(fd);
+    TORCH_CHECK(base != MAP_FAILED, "shared-memory all-reduce (", name_, "): rank ", rank_, " could not map rank ",
+                peer, "'s gradient buffer ", path, ": ", std::strerror(err));
+    it = mapped.emplace(block.piece_id, PeerBuffer{static_cast<char*>(base), static_cast<size_t>(st.st_size)}).first;
+  }
+  TORCH_CHECK(block.piece_offset + bytes <= it->second.bytes, "shared-memory all-reduce (", name_, "): rank ", peer,
+              " announced a piece of ", bytes, " bytes at offset ", block.piece_offset, " of a buffer of ",
+              it->second.bytes, " bytes");
+  return it->second.base + block.piece_offset;
+}
+
+void ShmTransport::unmap_peer_buffers(int64_t peer) {
+  for (auto& [id, mapped] : peer_buffers_[peer]) munmap(mapped.base, mapped.bytes);
+  peer_buffers_[peer].clear();
 }
 
 void ShmTransport::finish_step(uint32_t piece) {

@@ -48,6 +48,38 @@
 // its end of the transport, or when it hit an error itself (it marks the
 // segment aborted).
 //
+// [Note: buckets in shared memory]
+// The protocol above copies every byte it reduces three times: into the
+// staging, into the published region, out of it. A buffer the peers can map
+// needs none of that. empty_buffer() gives such buffers (a memfd each,
+// mapped shared; the reducer makes its buckets with it, and since gradients
+// stay resident in their buckets ([Note: resident gradients] in
+// csrc/reducer/reducer.h) autograd accumulates straight into them). An
+// all_reduce whose piece lies in one of them on every rank runs in place:
+//
+//   announce    the rank writes where its piece lies (buffer id, its fd,
+//               byte offset) with the collective's description and raises
+//               staged[r] to k: its piece is final;
+//   reduce      once every peer's staged >= k, it maps each peer's buffer
+//               (the first time it sees it: /proc/<pid>/fd/<fd>), sums its
+//               slice r of every rank's piece, x_0*s + x_1*s + ..., in rank
+//               order, and writes the sum into slice r of every rank's
+//               piece; then finish_step (reduced[r] = k, waits for the peers').
+//
+// One read and one write of each byte per rank, and two waits per piece
+// however large, instead of two per kShmPieceBytes. The sums are those of
+// the copying protocol, term by term, so the results are bitwise the same.
+// Whether a peer's buffer can be mapped (the ranks share a pid namespace and
+// may open each other's fds) is found out once, at the first such piece:
+// every rank tries, says whether it could in its block, and after a
+// finish_step all take the same path; if any could not, every later piece is
+// copied. A piece outside the buffers on any rank (a tensor of the caller's,
+// join's zeros) is copied as before, after the announcement. A peer keeps a
+// rank's buffers mapped until that rank frees one (it counts its frees in
+// its block), then maps afresh the ones it still meets. A process forked from
+// a rank shares these buffers with it (they are shared memory) and must not
+// write into the gradients.
+//
 // [Note: the segment's name lives only while ranks attach]
 // A named segment outlives every process that maps it until someone unlinks
 // the name, so the name must go on every path, including a rank killed
@@ -80,6 +112,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -98,6 +131,7 @@ namespace pydist {
 constexpr int64_t kShmPieceBytes = int64_t{1} << 20;
 
 struct ShmSegment;  // the mapped layout; shm_transport.cpp
+struct ShmBuffers;  // this rank's empty_buffer() buffers; shm_transport.cpp
 
 class ShmTransport : public transport::Transport {
  public:
@@ -150,8 +184,15 @@ class ShmTransport : public transport::Transport {
   // through data pointers: no version counter is bumped.
   transport::Future all_gather_many(std::vector<at::Tensor> inputs,
                                     std::vector<std::vector<at::Tensor>> outputs) override;
+  // See [Note: buckets in shared memory]: a CPU buffer of a supported dtype
+  // in memory the peers can map (at::empty for anything else, for a group of
+  // one, or if the memory cannot be had).
+  at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) override;
   bool applies_scale() const override { return true; }
   std::string name() const override { return "shm"; }
+  // all_reduce calls (of at least one element, more than one rank) reduced
+  // in place and copied: "in_place_all_reduces", "copied_all_reduces".
+  std::map<std::string, int64_t> stats() const override;
   // Marks the segment aborted by this rank with `why` (Transport::abort).
   void abort(const std::string& why) override;
 
@@ -190,6 +231,18 @@ class ShmTransport : public transport::Transport {
   void run_all_gather(const Spans& shard, const std::vector<Spans>& outputs, int64_t element_size);
   // Ends a step: raises reduced and waits for the peers' (see the note).
   void finish_step(uint32_t piece);
+  // [Note: buckets in shared memory]: announces the piece; returns whether
+  // it was reduced in place (otherwise the caller copies it).
+  bool all_reduce_in_place(const at::Tensor& piece, double scale);
+  template <typename T, typename Scale>
+  void reduce_in_place(const std::vector<T*>& pieces, int64_t numel, Scale scale);
+  // Rank `peer`'s announced piece of `bytes` bytes, mapped here.
+  char* peer_piece(int64_t peer, size_t bytes);
+  void unmap_peer_buffers(int64_t peer);
+  enum class InPlace { kUnknown, kYes, kNo };  // whether peers' buffers can be mapped
+  InPlace in_place_ = InPlace::kUnknown;
+  std::atomic<int64_t> in_place_calls_{0};  // stats()
+  std::atomic<int64_t> copied_calls_{0};
 
   // --- synchronization through the segment ---
   // The two counters each rank raises once per piece (see the note).
@@ -229,6 +282,15 @@ class ShmTransport : public transport::Transport {
   void* base_ = nullptr;  // the mapping, of mapped_bytes_
   size_t mapped_bytes_ = 0;
   std::unique_ptr<ShmSegment> segment_;  // views of base_
+  std::shared_ptr<ShmBuffers> buffers_;   // shared with the buffers' deleters
+  // Per peer, its buffers mapped here, by id (the worker's alone), and its
+  // frees counter when they were last valid.
+  struct PeerBuffer {
+    char* base = nullptr;
+    size_t bytes = 0;
+  };
+  std::vector<std::map<uint64_t, PeerBuffer>> peer_buffers_;
+  std::vector<uint32_t> peer_frees_seen_;
   uint32_t pieces_done_ = 0;  // pieces this rank has run; the k of the protocol
   uint32_t calls_done_ = 0;   // collectives this rank has started
   bool call_unchecked_ = false;  // the running collective's description is not yet compared with the peers'

@@ -166,6 +166,16 @@ class Transport {
   }
   virtual at::Tensor result_of(const Future& /*future*/, const at::Tensor& piece) { return piece; }
 
+  // A new contiguous tensor of `numel` elements (uninitialized) for the
+  // caller to all-reduce pieces of again and again (a gradient bucket). A
+  // transport that can reduce a buffer where it lies returns one it can
+  // reach from the other ranks (the shared-memory transport: [Note: buckets
+  // in shared memory] in shm_transport.h); the default is at::empty. Any
+  // tensor still works as a piece: this only makes the collectives cheaper.
+  virtual at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) {
+    return at::empty({numel}, options);
+  }
+
   // Whether all_reduce applies `scale` itself as it moves the data (the
   // shared-memory transport folds it into its copies). When false, the caller
   // should fold the scale into its own copy in and pass 1 (a process group
@@ -236,6 +246,9 @@ class WrappingTransport : public Transport {
   }
   at::Tensor result_of(const Future& future, const at::Tensor& piece) override {
     return inner_->result_of(future, piece);
+  }
+  at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) override {
+    return inner_->empty_buffer(numel, options);
   }
   bool applies_scale() const override { return inner_->applies_scale(); }
   void set_stamp_completion(bool on) override {
