@@ -13,8 +13,6 @@ the path it means to test was the one taken.
 
 import multiprocessing as mp
 import os
-import secrets
-import threading
 import time
 
 import pytest
@@ -24,15 +22,10 @@ from torch import nn
 
 from pydist import _C
 from pydist.spawn import run_ranks
+from test_shm_allreduce import PIECE_ELEMS_F32, _in_threads, _ints, _name, _pair
 
-PIECE_ELEMS_F32 = (1 << 20) // 4  # the copying protocol's piece of float32
 SIZES = [1, 15, 1000, PIECE_ELEMS_F32 + 1, 3 * PIECE_ELEMS_F32 + 17]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-
-
-def _ints(n: int, rank: int, dtype) -> torch.Tensor:
-    """Small integers (exact in every dtype, and so are their sums)."""
-    return ((torch.arange(n) * 7 + rank * 3) % 23 - 11).to(dtype)
 
 
 def _exact_in_place(rank, world_size):
@@ -114,32 +107,6 @@ def test_in_place_random_floats_bitwise(world_size):
     assert run_ranks(_bitwise, world_size, timeout=50) == [True] * world_size
 
 
-def _pair(timeout_s):
-    name = f"/pydist-test-{os.getpid()}-{secrets.token_hex(4)}"
-    ends = [_C.ShmTransport(name, 0, 2, create=True, timeout_s=timeout_s)]
-    ends.append(_C.ShmTransport(name, 1, 2, create=False, timeout_s=timeout_s))
-    ends[0].unlink()
-    return ends
-
-
-def _in_threads(calls):
-    errors = [None] * len(calls)
-
-    def run(i):
-        try:
-            calls[i]()
-        except Exception as exc:  # noqa: BLE001 - returned to the test
-            errors[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "an all-reduce did not return"
-    return errors
-
-
 @pytest.mark.timeout(30)
 def test_in_place_peer_that_never_arrives_times_out():
     ends = _pair(timeout_s=0.5)
@@ -177,7 +144,7 @@ def _reduce_once_then_die(name):
 
 @pytest.mark.timeout(60)
 def test_in_place_peer_process_that_died_fails_the_wait_at_once():
-    name = f"/pydist-test-{os.getpid()}-{secrets.token_hex(4)}"
+    name = _name()
     end = _C.ShmTransport(name, 0, 2, create=True, timeout_s=60)
     child = mp.get_context("spawn").Process(target=_reduce_once_then_die, args=(name,))
     child.start()
