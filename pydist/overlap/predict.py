@@ -490,6 +490,13 @@ def _overlaps(busy: list[tuple[float, float]], edges: list[float]) -> list[float
     return out
 
 
+def _recorded_busy(r: _RankStep, order: list[int], cal: Calibration) -> list[float]:
+    """Per gap of ``r``'s backward (as ``_gaps`` cuts it), the time its
+    transport was busy beside it with the collectives launched in backward."""
+    times = [r.grad_ms[p] for p in order] + [r.backward_end_ms]
+    return _overlaps(_busy([(c.launch_ms, c.bytes) for c in r.chunks if c.launch_ms <= r.backward_end_ms], cal), times)
+
+
 def _contention(recording: Recording, order: list[int], medians: list[float], cal: Calibration) -> float:
     """See [Note: contention]."""
     n = len(order) + 1
@@ -500,9 +507,7 @@ def _contention(recording: Recording, order: list[int], medians: list[float], ca
     for ranks in recording.steps.values():
         for r in ranks:
             gaps, _ = _gaps(r, order)
-            times = [r.grad_ms[p] for p in order] + [r.backward_end_ms]
-            busy = _busy([(c.launch_ms, c.bytes) for c in r.chunks if c.launch_ms <= r.backward_end_ms], cal)
-            for i, (g, b) in enumerate(zip(gaps, _overlaps(busy, times))):
+            for i, (g, b) in enumerate(zip(gaps, _recorded_busy(r, order, cal))):
                 sum_gap[i] += min(g, medians[i] + longest)
                 sum_busy[i] += b
             count += 1
@@ -665,9 +670,7 @@ def predict(recording: Recording, settings: Settings, calibration: Calibration |
         ready_at, launch_at = {}, {}
         for r in ranks:
             gaps, launched = _gaps(r, order)
-            recorded_times = [r.grad_ms[p] for p in order] + [r.backward_end_ms]
-            recorded_busy = _overlaps(_busy([(c.launch_ms, c.bytes) for c in r.chunks
-                                             if c.launch_ms <= r.backward_end_ms], cal), recorded_times)
+            recorded_busy = _recorded_busy(r, order, cal)
             times, t, free = [], 0.0, -math.inf
             for i, (g, x_old, x_new) in enumerate(zip(gaps, launched, launched_new)):
                 # the gap's compute: the recorded launches' slowdown and contention off, the new launches' on
