@@ -135,7 +135,7 @@ def test_in_place_peer_that_shuts_down_fails_the_wait_at_once():
 
 
 def _reduce_once_then_die(name):
-    end = _C.ShmTransport(name, 1, 2, create=False, timeout_s=60)
+    end = _C.ShmTransport(name, 1, 2, create=False, timeout_s=20)
     buffer = end.empty_buffer(1000)
     buffer.copy_(_ints(1000, 1, torch.float32))
     end.all_reduce(buffer).wait()
@@ -145,8 +145,9 @@ def _reduce_once_then_die(name):
 @pytest.mark.timeout(60)
 def test_in_place_peer_process_that_died_fails_the_wait_at_once():
     name = _name()
-    end = _C.ShmTransport(name, 0, 2, create=True, timeout_s=60)
-    child = mp.get_context("spawn").Process(target=_reduce_once_then_die, args=(name,))
+    # The transport's timeout under the test's: a child that never arrives fails the wait, naming it.
+    end = _C.ShmTransport(name, 0, 2, create=True, timeout_s=20)
+    child = mp.get_context("spawn").Process(target=_reduce_once_then_die, args=(name,), daemon=True)
     child.start()
     buffer = end.empty_buffer(1000)
     buffer.copy_(_ints(1000, 0, torch.float32))
