@@ -118,7 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("piece"), py::arg("scale") = 1.0, py::kw_only(), py::arg("priority") = 0, nogil,
           "piece := sum over ranks of piece * scale, in place; `priority` (higher: more urgent) orders the "
-          "transfer on a link that can reorder its queue (sim_net), and is ignored elsewhere")
+          "transfer on a transport that orders by priority (sim_net, ordered), and is ignored elsewhere")
       .def("reduce_scatter", &tp::Transport::reduce_scatter, py::arg("input"), py::arg("output_shard"),
            py::arg("scale") = 1.0, nogil,
            "output_shard := sum over ranks of shard `rank` of input (world_size contiguous shards) * scale")
@@ -143,6 +143,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_stamp_completion", &tp::Transport::set_stamp_completion, py::arg("on"))
       .def_property_readonly("applies_scale", &tp::Transport::applies_scale)
       .def_property_readonly("owns_buckets", &tp::Transport::owns_buckets)
+      .def_property_readonly("orders_by_priority", &tp::Transport::orders_by_priority,
+                             "whether it orders the collectives launched through it by priority (sim_net, ordered)")
       .def_property_readonly("rank", &tp::Transport::rank)
       .def_property_readonly("world_size", &tp::Transport::world_size)
       .def_property_readonly("name", &tp::Transport::name);
@@ -235,7 +237,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("state"), py::arg("hook"))
       .def("set_transport", &Reducer::set_transport, py::arg("transport"),
-           "Puts another transport (a wrapper in front of this one) under the reducer; before the first backward")
+           "Puts another transport (a wrapper in front of this one) under the reducer: before the first backward, or "
+           "later between iterations if it hands buckets to user code exactly when the current one does")
       .def_property_readonly("transport", &Reducer::transport)
       .def("match_all_reduce_for_bwd_pass", &Reducer::match_all_reduce_for_bwd_pass, nogil)
       .def("match_unused_params_allreduce", &Reducer::match_unused_params_allreduce, nogil)

@@ -76,12 +76,16 @@ void Reducer::check_state(ReducerState expected, const char* where) const {
 
 // --- the transport and the gradient placement ---------------------------------
 
-void Reducer::adopt_transport(std::shared_ptr<transport::Transport> transport) {
+void Reducer::check_transport(const std::shared_ptr<transport::Transport>& transport) const {
   TORCH_CHECK(transport, "Reducer: transport is None");
   TORCH_CHECK(transport->rank() == process_group_->getRank() && transport->world_size() == process_group_->getSize(),
               "Reducer: the transport (", transport->name(), ") is rank ", transport->rank(), " of ",
               transport->world_size(), ", the process group rank ", process_group_->getRank(), " of ",
               process_group_->getSize());
+}
+
+void Reducer::adopt_transport(std::shared_ptr<transport::Transport> transport) {
+  check_transport(transport);
   transport_ = std::move(transport);
   // [Note: resident gradients]: where they are allowed.
   const bool resident_allowed = !transport_->owns_buckets() && !options_.find_unused_parameters &&
@@ -116,8 +120,24 @@ void Reducer::set_comm_hook(std::shared_ptr<transport::Transport> hook_transport
 
 void Reducer::set_transport(std::shared_ptr<transport::Transport> transport) {
   std::lock_guard<std::mutex> lock(mutex_);
-  check_before_first_backward("Reducer.set_transport");
-  adopt_transport(std::move(transport));
+  if (num_iterations_ == 0) {
+    check_before_first_backward("Reducer.set_transport");
+    adopt_transport(std::move(transport));
+    return;
+  }
+  // Later, between iterations: the gradient placement and the chunks stay
+  // as they are (they depend on the transport only through owns_buckets),
+  // and so do the buckets' buffers, which work as pieces on any transport.
+  check_transport(transport);
+  TORCH_CHECK(state_ == ReducerState::kIdle, "Reducer.set_transport: call it between iterations (the reducer is ",
+              state_name(state_), ")");
+  TORCH_CHECK(transport->owns_buckets() == transport_->owns_buckets(), "Reducer.set_transport: ", transport->name(),
+              transport->owns_buckets() ? " hands" : " does not hand", " whole buckets to user code and ",
+              transport_->name(), transport_->owns_buckets() ? " does" : " does not",
+              "; after the first backward the buckets' layout stays, so the new transport must match");
+  transport_ = std::move(transport);
+  transport_->set_stamp_completion(recording_);
+  for (Bucket& bucket : buckets_) bucket.allocate = bucket_allocator();
 }
 
 void Reducer::check_before_first_backward(const char* what) const {

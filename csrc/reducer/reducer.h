@@ -224,6 +224,11 @@ class Reducer {
   // or a wrapper in front of the current transport. Re-chunks the buckets
   // and chooses the gradient placement again for it.
   void set_comm_hook(std::shared_ptr<transport::Transport> hook_transport);
+  // The same before the first backward; later, between iterations (Idle),
+  // only a transport that hands buckets to user code exactly when the
+  // current one does, keeping the placement, chunks and buffers
+  // (DistributedDataParallel.overlap_optimizer puts the "ordered" wrapper
+  // in front then).
   void set_transport(std::shared_ptr<transport::Transport> transport);
 
   // The transport the chunks go through.
@@ -310,6 +315,8 @@ class Reducer {
   void check_bucket_indices(const std::vector<std::vector<int64_t>>& indices) const;
   void initialize_buckets(std::vector<std::vector<int64_t>> bucket_indices);
   void adopt_transport(std::shared_ptr<transport::Transport> transport);
+  // Raises unless `transport` is one (not None) of this reducer's group's rank and size.
+  void check_transport(const std::shared_ptr<transport::Transport>& transport) const;
   // Bucket buffers from the current transport (Transport::empty_buffer).
   BufferAllocator bucket_allocator() const;
   void check_state(ReducerState expected, const char* where) const;

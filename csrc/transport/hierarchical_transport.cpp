@@ -192,6 +192,8 @@ class HierarchicalTransport : public Transport {
   bool applies_scale() const override { return true; }  // the first leg (shared memory) scales as it copies
   int64_t rank() const override { return rank_; }
   int64_t world_size() const override { return hosts_ * local_size_; }
+  // The cross-host leg is the link (a simulated one orders it).
+  bool orders_by_priority() const override { return cross_->orders_by_priority(); }
   std::string name() const override { return "hierarchical(" + local_in_->name() + "+" + cross_->name() + ")"; }
   std::map<std::string, int64_t> stats() const override {
     std::lock_guard<std::mutex> lock(mutex_);

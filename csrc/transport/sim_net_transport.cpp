@@ -387,6 +387,7 @@ class SimNetTransport : public WrappingTransport {
                    [&] { return WrappingTransport::all_gather_many(std::move(inputs), std::move(outputs)); });
   }
 
+  bool orders_by_priority() const override { return true; }
   std::string name() const override { return "sim_net(" + inner_->name() + ")"; }
 
   // inner's counters, plus the model's settings and what it delayed:

@@ -183,6 +183,13 @@ class Transport {
   // the cost of one more pass over the piece.
   virtual bool applies_scale() const { return false; }
 
+  // Whether this transport decides the order of the collectives launched
+  // through it from their priority (see [Note: transfer priority]): the
+  // simulated link ([Note: the link's queue]) and the "ordered" wrapper
+  // ([Note: ordering a real link]) do; gloo, NCCL, mpi4py and shared memory
+  // carry them in launch order.
+  virtual bool orders_by_priority() const { return false; }
+
   // Whether completion times are stamped (default on). Off, the transport
   // reads no clock: the reducer turns it off when records are off.
   // Set from the caller's thread, read on the transport's (relaxed: a flag).
@@ -251,6 +258,7 @@ class WrappingTransport : public Transport {
     return inner_->empty_buffer(numel, options);
   }
   bool applies_scale() const override { return inner_->applies_scale(); }
+  bool orders_by_priority() const override { return inner_->orders_by_priority(); }
   void set_stamp_completion(bool on) override {
     Transport::set_stamp_completion(on);
     inner_->set_stamp_completion(on);

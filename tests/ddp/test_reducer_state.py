@@ -1,7 +1,8 @@
 """The reducer's state machine and who decides its policies ([Note: reducer
 state] in csrc/reducer/reducer.h): an entry point called in the wrong state
 raises naming the state; the transport can be replaced (a wrapper put in
-front) before the first backward only; the bucket rebuild happens once, and
+front) before the first backward, or later between iterations by one that
+keeps the buckets' layout; the bucket rebuild happens once, and
 only where pydist/ddp/buckets.py's rebuilds_buckets says so."""
 
 import pytest
@@ -46,11 +47,26 @@ def _state_main(rank, world_size):
     seen["rebuilt_after"] = ddp._has_rebuilt_buckets
     seen["pending"] = ddp.reducer.pending_rebuild_order()
 
-    # After it, neither a transport nor a comm hook can change.
-    with pytest.raises(RuntimeError, match="Reducer.set_transport must be called before the first backward"):
-        ddp.reducer.set_transport(counting)
+    # After it, a comm hook cannot come; a wrapper can still go in front
+    # between iterations (the buckets' layout stays), not during one.
     with pytest.raises(RuntimeError, match="register_comm_hook must be called before the first backward"):
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    for m in (ddp, reference):
+        m.zero_grad()
+    loss = ddp(x).square().sum()  # armed: an iteration is under way
+    with pytest.raises(RuntimeError, match="between iterations .the reducer is Armed"):
+        ddp.reducer.set_transport(transport.wrap("counting", counting))
+    loss.backward()
+    reference(x).square().sum().backward()
+    outer = transport.wrap("counting", counting)
+    ddp.reducer.set_transport(outer)
+    assert ddp.reducer.transport.name == "counting(counting(gloo))"
+    for m in (ddp, reference):
+        m.zero_grad()
+        m(x).square().sum().backward()
+    for (name, p), q in zip(ddp.module.named_parameters(), reference.module.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    seen["outer_calls"] = outer.stats()["all_reduce_calls"]
 
     # find_unused_parameters: buckets stay as assigned (no order recorded).
     unused = DistributedDataParallel(_model(), shm_allreduce=False, find_unused_parameters=True)
@@ -72,4 +88,5 @@ def test_reducer_states_transport_replacement_and_rebuild_policy():
         assert seen["rebuilt_before"] is False
         assert seen["rebuilt_after"] is True and seen["pending"] is None, f"rank {rank}"
         assert seen["calls"] > 3, f"rank {rank}: the wrapper saw {seen['calls']} all-reduces in 3 backwards"
+        assert seen["outer_calls"] > 1, f"rank {rank}: the later wrapper saw {seen['outer_calls']} all-reduces"
         assert seen["unused_rebuilt"] == (False, None)
