@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate", "UPDATE_THREADS", "choose_update_thread",
-           "wait_all_grads"]
+           "wait_all_grads", "order_by_priority"]
 
 # Optimizers whose update of a parameter reads only that parameter, its
 # gradient and its own state, so updating bucket by bucket gives the same
@@ -150,6 +150,50 @@ def update_order(bucket_indices: list[list[int]]) -> list[int]:
 # least two cores per rank, else "forward". Either way a bucket is claimed
 # once (run_buckets) and its update waits for its all-reduce.
 UPDATE_THREADS = ("auto", "worker", "forward")
+
+
+# [Note: priority on every link]
+# The chunks the next forward needs first should cross the link first
+# ([Note: transfer priority] in csrc/transport/transport.h). A simulated
+# link orders its queue itself; a real one (gloo, the mpi4py group, the
+# hierarchical transport) carries collectives in launch order. So where the
+# gradients cross hosts, overlap_optimizer puts the "ordered" wrapper in
+# front of the transport for as long as it is attached: rank 0 decides which
+# launched chunk goes next and tells the other ranks in a one-element
+# all-reduce ([Note: ordering a real link] in
+# csrc/transport/ordered_transport.cpp). The wrapper commits a chunk while
+# fewer than two chunks' bytes are in flight (ByteScheduler's credit), so
+# the next decision and start overlap the current transfer; committing one
+# at a time, each decision's round trip idles the link between chunks.
+#
+# Not on one host, where the link is memory or loopback and a decision costs
+# as much as a chunk's transfer, nor for a comm hook (its own communication)
+# or a group of one. Measured on this 2-core machine (docs/overlap-optimizer.md,
+# benchmarks/bench_overlap_tbf.py: deep model, 0.25 MB chunks, gloo between
+# two emulated hosts over tc-tbf veths): first in, first out -> ordered 0.95x
+# at 300 Mbit/s and 1.00x at 1 Gbit/s, the next forward's wait for the front
+# bucket 108 -> 19 ms and 31 -> 8 ms (one chunk at a time: 1.30-1.34x at
+# 1 Gbit/s); on one host, loopback gloo 1.29x, shared memory within noise.
+# Detaching puts the transport back.
+ORDERED_CREDIT_CHUNKS = 2
+
+
+def order_by_priority(ddp):
+    """Puts the "ordered" wrapper in front of ``ddp``'s reducer's transport
+    where [Note: priority on every link] says so; returns the transport it
+    replaced, or None when it changed nothing."""
+    from pydist import topology
+    from pydist import transport as transports
+
+    current = ddp.reducer.transport
+    if current.orders_by_priority or current.owns_buckets or current.world_size == 1:
+        return None
+    if len(topology.of(ddp.process_group, build_groups=False).hosts) == 1:
+        return None
+    chunk = min(ddp._chunk_bytes or ddp.bucket_bytes_cap, ddp.bucket_bytes_cap)  # chunk_bytes 0: whole buckets
+    ddp.reducer.set_transport(transports.wrap("ordered", current, inflight_bytes=ORDERED_CREDIT_CHUNKS * chunk))
+    return current
+
 
 # How often updates="forward" looks for landed buckets while the one it
 # needs is in flight (each look: one landed_buckets() call, ~10 us).
@@ -277,6 +321,7 @@ class OverlappedOptimizer:
                              name="pydist-overlap-optimizer", daemon=True).start()
         self._hooks = self._install(ddp)
         ddp.reducer.set_defer_finalize(True)
+        self._unordered = order_by_priority(ddp)  # see [Note: priority on every link]
 
     @property
     def state(self) -> UpdateState:
@@ -354,6 +399,8 @@ class OverlappedOptimizer:
         ddp = self._ddp()
         if ddp is not None:
             ddp.reducer.set_defer_finalize(False)
+            if self._unordered is not None:
+                ddp.reducer.set_transport(self._unordered)
 
     def __del__(self):
         self._queue.put(None)  # the worker ends

@@ -313,3 +313,141 @@ def test_each_update_thread_bitwise():
         assert "worker" in result["worker_threads"], result["worker_threads"]
         assert result["forward_threads"] == ["forward"], result["forward_threads"]
 
+
+
+# --- priority on a real link: the "ordered" wrapper ([Note: ordering a real link]) ---
+
+
+def _ordered_queue_ranks(rank, world_size):
+    """Five pieces launched back to back through the "ordered" wrapper in
+    front of a slow first-in-first-out link (sim_net committing every
+    transfer at launch, so it never reorders: a stand-in for gloo on a slow
+    wire), with priorities 0, 1, 5, 3, 5: the order they complete in, the
+    sums, and the leader's counters; under a cap of one collective and under
+    one that commits them all at launch."""
+    import torch
+    import torch.distributed as dist
+
+    from pydist import transport
+
+    numel = 12_500  # 50 KB: at 40 Mb/s its all-reduce takes 10-13 ms
+    fifo = transport.wrap("sim_net", transport.ProcessGroupTransport(dist.group.WORLD), bandwidth=40e6, latency=0.0,
+                          inflight_bytes=1e9)
+    out = {"errors": {}}
+    for name, make in (("option", lambda: transport.wrap("ordered", fifo, bandwidth=1.0)),
+                       ("cap", lambda: transport.wrap("ordered", fifo, inflight_bytes=-1.0)),
+                       ("reduce_scatter", lambda: transport.wrap("ordered", fifo).reduce_scatter(
+                           torch.zeros(2 * world_size), torch.zeros(2)))):
+        try:
+            make()
+            out["errors"][name] = None
+        except RuntimeError as error:
+            out["errors"][name] = str(error)
+    priorities = [0, 1, 5, 3, 5]
+    for cap in (0, 10 * numel * 4):
+        ordered = transport.wrap("ordered", fifo, inflight_bytes=cap)
+        pieces = [torch.full((numel,), float(rank + 10 * i)) for i in range(len(priorities))]
+        dist.barrier()
+        futures = [ordered.all_reduce(p, priority=q) for p, q in zip(pieces, priorities)]
+        done = [f.wait() for f in futures]
+        base = sum(range(world_size))
+        out[cap] = {"order": sorted(range(len(pieces)), key=lambda i: done[i]), "stats": ordered.stats(),
+                    "name": ordered.name, "orders": ordered.orders_by_priority,
+                    "sums": all(torch.equal(p, torch.full((numel,), float(base + 10 * i * world_size)))
+                                for i, p in enumerate(pieces))}
+        del ordered  # the leader commits nothing more: every launch was decided
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.timeout(60)
+def test_ordered_transport_commits_the_most_urgent_first(world_size):
+    for rank, result in enumerate(run_ranks(_ordered_queue_ranks, world_size, timeout=45)):
+        assert "takes only inflight_bytes" in result["errors"]["option"], result["errors"]
+        assert "inflight_bytes must be" in result["errors"]["cap"], result["errors"]
+        assert "orders all-reduces only" in result["errors"]["reduce_scatter"], result["errors"]
+        one_at_a_time, all_committed = result[0], result[10 * 12_500 * 4]
+        assert one_at_a_time["name"] == "ordered(sim_net(gloo))" and one_at_a_time["orders"], one_at_a_time
+        assert one_at_a_time["sums"] and all_committed["sums"], f"rank {rank}: a sum is not the exact one"
+        # the first goes at once; of the four waiting, 5 (launched 2nd of them), 5, 3, 1, on every rank
+        assert one_at_a_time["order"] == [0, 2, 4, 3, 1], (rank, one_at_a_time)
+        # a cap that commits each at launch leaves nothing to overtake: launch order
+        assert all_committed["order"] == [0, 1, 2, 3, 4], (rank, all_committed)
+        if rank == 0:  # the leader's counters
+            assert one_at_a_time["stats"]["ordered_commits"] == 5, one_at_a_time["stats"]
+            assert one_at_a_time["stats"]["ordered_overtakes"] == 3, one_at_a_time["stats"]
+            assert all_committed["stats"]["ordered_overtakes"] == 0, all_committed["stats"]
+
+
+def _ordered_ddp_ranks(rank, world_size):
+    """overlap_optimizer with no simulated link, on one host: the policy
+    leaves the shared-memory transport as it is ([Note: priority on every
+    link]: the wrapper goes in front only where gradients cross hosts,
+    tests/cluster). With the "ordered" wrapper put in front by hand (two
+    chunks of credit, as across hosts), results bitwise torch DDP + AdamW,
+    with BatchNorm buffers and unused parameters, every chunk decided by
+    rank 0."""
+    import test_overlap_optimizer as base
+
+    from pydist import transport
+
+    base.SLOW_LINK = None  # this spawned process only
+    out = {}
+    run = base.Run(optimizer="adamw", steps=6, branch=True, bn=True)
+    reference = base._train("torch", run, rank)
+
+    def ordered(ddp):
+        out["policy"] = ddp.reducer.transport.name
+        ddp.reducer.set_transport(transport.wrap("ordered", ddp.reducer.transport, inflight_bytes=2 * 1024))
+
+    overlapped = base._train("overlap", run, rank, record=ordered)
+    ddp = overlapped.pop("ddp")
+    try:
+        base._assert_same(reference, overlapped, exact=True, what="overlap_optimizer through 'ordered' vs torch")
+        out["parity"] = None
+    except AssertionError as error:
+        out["parity"] = str(error)
+    out["attached"] = ddp.reducer.transport.name
+    out["stats"] = ddp.reducer.transport.stats()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_ordered_transport_under_overlap_optimizer_is_bitwise_torch():
+    for rank, result in enumerate(run_ranks(_ordered_ddp_ranks, 2, timeout=75)):
+        assert result["parity"] is None, result["parity"]
+        assert result["policy"] == "shm", result  # one host: left first in, first out
+        assert result["attached"] == "ordered(shm)", result
+        if rank == 0:  # the leader decided every chunk: several per step
+            assert result["stats"]["ordered_commits"] >= 6 * 2, result["stats"]
+
+
+def _ordered_peer_gone_ranks(rank, world_size, leaving):
+    """Rank ``leaving`` leaves without launching anything; the other
+    launches an all-reduce through the "ordered" wrapper over gloo and must
+    get inner's error (the leader's data or decision, or a follower's
+    request for a decision), not wait forever."""
+    import torch
+    import torch.distributed as dist
+
+    from pydist import transport
+
+    if rank == leaving:
+        return None
+    ordered = transport.wrap("ordered", transport.ProcessGroupTransport(dist.group.WORLD))
+    start = time.monotonic()
+    try:
+        ordered.all_reduce(torch.ones(4), priority=1).wait()
+        error = None
+    except RuntimeError as failure:
+        error = str(failure)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("leaving", [0, 1], ids=["leader_leaves", "follower_leaves"])
+@pytest.mark.timeout(60)
+def test_ordered_transport_fails_when_a_peer_is_gone(leaving):
+    results = run_ranks(_ordered_peer_gone_ranks, 2, args=(leaving,), timeout=20)
+    result = results[1 - leaving]
+    assert result["error"] is not None, result
+    assert result["seconds"] < 20, result
