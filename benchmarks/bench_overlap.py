@@ -177,15 +177,24 @@ def _optimizer_cell(model_name, bandwidth_gbps, latency, cap_mb, chunk_mb, steps
         ddp.overlap_optimizer(opt, updates=updates)
         _PICKED.add(ddp._overlap.updates)  # what updates="auto" chose
     x = torch.randn(BATCH, in_features(model_name), generator=torch.Generator().manual_seed(rank))
+    return timed_iterations(ddp, opt, x, steps)
 
+
+def timed_iterations(ddp, opt, x, steps, when_warm=None) -> float:
+    """This rank's ms per training iteration (zero_grad + forward + backward
+    + step), steady state: three warm-up iterations (the first rebuilds the
+    buckets), then ``steps`` timed ones until every update has landed.
+    ``when_warm()`` runs once between the two."""
     def iteration():
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
 
-    for _ in range(3):  # the first rebuilds the buckets
+    for _ in range(3):
         iteration()
     ddp.wait_updates()
+    if when_warm is not None:
+        when_warm()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):

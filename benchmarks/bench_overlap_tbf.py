@@ -59,7 +59,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import pydist
-    from bench_overlap import BATCH, build_model, in_features
+    from bench_overlap import BATCH, build_model, in_features, timed_iterations
     from pydist.cluster_emulator import request_rate
     from pydist.ddp import overlap_optimizer
 
@@ -89,23 +89,11 @@ def worker(args) -> None:
         return ddp, opt
 
     def timed(ddp, opt, x):
-        def iteration():
-            opt.zero_grad()
-            ddp(x).square().mean().backward()
-            opt.step()
-
-        for _ in range(3):  # the first rebuilds the buckets
-            iteration()
-        ddp.wait_updates()
-        stats_before = ddp.reducer.transport.stats()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            iteration()
-        ddp.wait_updates()
-        ms = torch.tensor([(time.perf_counter() - start) * 1e3 / args.steps])
+        before = {}
+        ms = torch.tensor([timed_iterations(ddp, opt, x, args.steps,
+                                            when_warm=lambda: before.update(ddp.reducer.transport.stats()))])
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        overtakes = ddp.reducer.transport.stats().get("ordered_overtakes", 0) - stats_before.get("ordered_overtakes", 0)
+        overtakes = ddp.reducer.transport.stats().get("ordered_overtakes", 0) - before.get("ordered_overtakes", 0)
         front_waits = []
         for record in ddp.update_records()[-args.steps:]:
             front = max(record.buckets, key=lambda b: b.index, default=None)
