@@ -487,13 +487,13 @@ class FSDPParamGroup:
 
     def pack_param_grads(self, out: torch.Tensor, world_size: int, column: int, scale: float) -> list[bool]:
         """``pack_grads`` of the .grads on the unsharded parameters, which are
-        cleared; returns which parameters had one."""
-        params, numels = self._unsharded_params, self._numels
-        had = []
-        for c, (first, end) in zip(self.columns, self._column_params):
-            had += _C.pack_param_grads(params[first:end], numels[first:end], out, world_size,
-                                       column + c.shard_offset, c.width, scale)
-        return had
+        cleared; returns which parameters had one. The unit's _C.GradPack
+        does it (what a closed gate packs: see [Note: runs of units]), aimed
+        here and packed at once; an aim a run left unpacked is replaced."""
+        pack = self._grad_pack
+        pack.aim(out, world_size, column, scale)
+        pack.pack()
+        return pack.take_had()
 
     # [Note: a unit built on the meta device]
     # FSDP2's recipe for a model too large to build whole on one device:
@@ -747,7 +747,7 @@ class FSDPParamGroup:
                 fp.init_unsharded_param(self.unsharded)
             self._unsharded_regs = self._registrations("unsharded_param")
             self._unsharded_params = [fp.unsharded_param for fp in self.fsdp_params]
-            # What a closed gate packs (see [Note: runs of units]), column by column as pack_param_grads.
+            # What a closed gate packs (see [Note: runs of units]), and pack_param_grads.
             self._grad_pack = _C.GradPack(self._unsharded_params, self._numels,
                                           [(first, end, c.shard_offset, c.width)
                                            for c, (first, end) in zip(self.columns, self._column_params)])
