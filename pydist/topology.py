@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "of", "discover", "describe_world", "VERBOSE_ENV"]
+__all__ = ["Topology", "of", "discover", "describe_world", "timeout_of", "VERBOSE_ENV"]
 
 VERBOSE_ENV = "PYDIST_VERBOSE"  # "1": init_process_group prints the topology it found (rank 0, one line)
 SHM_DIR = "/dev/shm"
@@ -175,7 +175,7 @@ def _build_groups(group, topo: Topology) -> Topology:
     local synchronization (only that group's ranks call it)."""
     global_ranks = dist.get_process_group_ranks(group)
     world = dist.get_world_size(group) == dist.get_world_size()
-    backend, timeout = dist.get_backend(group), _timeout_of(group)
+    backend, timeout = dist.get_backend(group), timeout_of(group)
 
     def make(ranks: tuple):
         members = [global_ranks[r] for r in ranks]
@@ -205,7 +205,7 @@ def new_cross_group(group, topo: Topology):
     if dist.get_world_size(group) != dist.get_world_size():
         return topo.cross_group
     global_ranks = dist.get_process_group_ranks(group)
-    backend, timeout = dist.get_backend(group), _timeout_of(group)
+    backend, timeout = dist.get_backend(group), timeout_of(group)
     mine = None
     for l in range(topo.local_size):
         made = dist.new_group([global_ranks[host[l]] for host in topo.hosts], backend=backend, timeout=timeout)
@@ -214,7 +214,7 @@ def new_cross_group(group, topo: Topology):
     return mine
 
 
-def _timeout_of(group):
+def timeout_of(group):
     """The parent's timeout, which subgroups keep (torch's new_group would take its 30-minute default)."""
     from pydist.transport.shm_segment import group_timeout
 

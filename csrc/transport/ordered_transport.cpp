@@ -52,7 +52,12 @@
 // waited on (gloo's reduce-scatter) would hold the leader's next commit
 // until someone waited on it, and all-reduces complete by themselves. The
 // leader, going away, commits what is still waiting at once, so the
-// others' launches are all decided. Ranks must launch and wait alike (the
+// others' launches are all decided. `inner` must carry nothing else while
+// the wrapper lives: it issues collectives from completion callbacks, at
+// moments of its own, and another user's collectives on the same group
+// would fall between them in a different order on different ranks
+// (overlap_optimizer gives it a gloo group of its own). Ranks must launch
+// and wait alike (the
 // same collectives, each rank waiting on the same ones before launching the
 // same next ones), as every SPMD program does: a rank that waited on a
 // collective the others launch more after could wait for one the leader

@@ -49,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["OverlappedOptimizer", "UpdateState", "UpdateRecord", "BucketUpdate", "UPDATE_THREADS", "choose_update_thread",
            "wait_all_grads", "order_by_priority"]
@@ -155,26 +156,39 @@ UPDATE_THREADS = ("auto", "worker", "forward")
 # [Note: priority on every link]
 # The chunks the next forward needs first should cross the link first
 # ([Note: transfer priority] in csrc/transport/transport.h). A simulated
-# link orders its queue itself; a real one (gloo, the mpi4py group, the
-# hierarchical transport) carries collectives in launch order. So where the
-# gradients cross hosts, overlap_optimizer puts the "ordered" wrapper in
-# front of the transport for as long as it is attached: rank 0 decides which
-# launched chunk goes next and tells the other ranks in a one-element
-# all-reduce ([Note: ordering a real link] in
-# csrc/transport/ordered_transport.cpp). The wrapper commits a chunk while
-# fewer than two chunks' bytes are in flight (ByteScheduler's credit), so
-# the next decision and start overlap the current transfer; committing one
-# at a time, each decision's round trip idles the link between chunks.
+# link orders its queue itself; a real one carries collectives in launch
+# order. The "ordered" wrapper ([Note: ordering a real link] in
+# csrc/transport/ordered_transport.cpp) lets rank 0 decide the order for
+# every rank, at the price of one small all-reduce per chunk on the same
+# transport. overlap_optimizer puts it in place of the reducer's transport,
+# for as long as it is attached, where that price is paid beside the data:
+# a gloo group whose ranks are on more than one host (gloo runs collectives
+# on several threads of its own, so a decision does not wait behind a
+# chunk's transfer). The wrapper issues collectives from completion
+# callbacks, at moments of its own, so it gets a gloo group of the same
+# ranks to itself (made here, a collective over the world): on the DDP
+# group, the program's own collectives there (a buffer broadcast, the
+# bucket rebuild's agreement, the user's) would interleave with them in a
+# different order on different ranks. A DDP group smaller than the world
+# keeps first in, first out (its fresh group would need every rank of the
+# world to call this). It commits a chunk while fewer than two chunks' bytes
+# are in flight (ByteScheduler's credit), so the next decision and start
+# overlap the current transfer; one at a time, each decision's round trip
+# idles the link.
 #
-# Not on one host, where the link is memory or loopback and a decision costs
-# as much as a chunk's transfer, nor for a comm hook (its own communication)
-# or a group of one. Measured on this 2-core machine (docs/overlap-optimizer.md,
-# benchmarks/bench_overlap_tbf.py: deep model, 0.25 MB chunks, gloo between
-# two emulated hosts over tc-tbf veths): first in, first out -> ordered 0.95x
-# at 300 Mbit/s and 1.00x at 1 Gbit/s, the next forward's wait for the front
-# bucket 108 -> 19 ms and 31 -> 8 ms (one chunk at a time: 1.30-1.34x at
-# 1 Gbit/s); on one host, loopback gloo 1.29x, shared memory within noise.
-# Detaching puts the transport back.
+# Not where the decisions would queue between the data: the hierarchical
+# transport (one pipeline of legs per collective), the mpi4py group (one
+# thread per group) or NCCL (one stream); nor on one host, where the link is
+# memory or loopback and a decision costs about a chunk's transfer; nor a
+# comm hook (its own communication) or a group of one. Measured on this
+# 2-core machine (docs/overlap-optimizer.md, benchmarks/bench_overlap_tbf.py:
+# deep model, 0.25 MB chunks, hosts emulated over tc-tbf veths), ordered /
+# first in first out: gloo, 2 hosts x 1 rank 1.00-1.06x at 1 Gbit/s and
+# 0.95-1.00x at 300 Mbit/s, the next forward's wait for the front bucket
+# 31 -> 8 ms and 108 -> 19 ms (one chunk at a time 1.30-1.34x at 1 Gbit/s);
+# hierarchical, 2 x 2: 1.22-1.36x at 1 Gbit/s whatever the credit; gloo on
+# one host (loopback) 1.29x; shared memory within noise. Detaching puts the
+# transport back.
 ORDERED_CREDIT_CHUNKS = 2
 
 
@@ -185,13 +199,18 @@ def order_by_priority(ddp):
     from pydist import topology
     from pydist import transport as transports
 
-    current = ddp.reducer.transport
-    if current.orders_by_priority or current.owns_buckets or current.world_size == 1:
+    current, group = ddp.reducer.transport, ddp.process_group
+    if not isinstance(current, transports.ProcessGroupTransport) or current.name != "gloo":
         return None
-    if len(topology.of(ddp.process_group, build_groups=False).hosts) == 1:
+    if current.world_size == 1 or current.world_size != dist.get_world_size():
         return None
+    if len(topology.of(group, build_groups=False).hosts) == 1:
+        return None
+    own = transports.ProcessGroupTransport(dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                                          timeout=topology.timeout_of(group)))
+    own.failure_context = current.failure_context
     chunk = min(ddp._chunk_bytes or ddp.bucket_bytes_cap, ddp.bucket_bytes_cap)  # chunk_bytes 0: whole buckets
-    ddp.reducer.set_transport(transports.wrap("ordered", current, inflight_bytes=ORDERED_CREDIT_CHUNKS * chunk))
+    ddp.reducer.set_transport(transports.wrap("ordered", own, inflight_bytes=ORDERED_CREDIT_CHUNKS * chunk))
     return current
 
 
