@@ -334,13 +334,14 @@ class OverlappedOptimizer:
         self._outside: list[tuple[int, list[torch.Tensor]]] = []  # opt params no bucket holds: updated at step()
         # Which buckets hold each parameter (by id), for the forward pre-hooks.
         self._bucket_of: dict[int, int] = {}
+        # The link ordered where it pays, first (collective, and may raise): see [Note: priority on every link].
+        self._unordered = order_by_priority(ddp)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         if updates == "worker":
             threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._queue),
                              name="pydist-overlap-optimizer", daemon=True).start()
         self._hooks = self._install(ddp)
         ddp.reducer.set_defer_finalize(True)
-        self._unordered = order_by_priority(ddp)  # see [Note: priority on every link]
 
     @property
     def state(self) -> UpdateState:
