@@ -135,8 +135,7 @@ void Reducer::set_transport(std::shared_ptr<transport::Transport> transport) {
               transport->owns_buckets() ? " hands" : " does not hand", " whole buckets to user code and ",
               transport_->name(), transport_->owns_buckets() ? " does" : " does not",
               "; after the first backward the buckets' layout stays, so the new transport must match");
-  transport_ = std::move(transport);
-  transport_->set_stamp_completion(recording_);
+  transport_ = std::move(transport);  // its completion stamps follow the records at the next arming
   for (Bucket& bucket : buckets_) bucket.allocate = bucket_allocator();
 }
 

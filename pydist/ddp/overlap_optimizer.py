@@ -202,9 +202,7 @@ def order_by_priority(ddp):
     current, group = ddp.reducer.transport, ddp.process_group
     if not isinstance(current, transports.ProcessGroupTransport) or current.name != "gloo":
         return None
-    if current.world_size == 1 or current.world_size != dist.get_world_size():
-        return None
-    if len(topology.of(group, build_groups=False).hosts) == 1:
+    if current.world_size != dist.get_world_size() or len(topology.of(group, build_groups=False).hosts) == 1:
         return None
     own = transports.ProcessGroupTransport(dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                                           timeout=topology.timeout_of(group)))
