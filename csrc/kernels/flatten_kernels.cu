@@ -563,7 +563,7 @@ cudaError_t launch_flatten(const Segment* segments, int64_t n_segments, void* fl
   if (n_segments == 0 || flat_bytes == 0) return cudaSuccess;
   cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream);
   if (err != cudaSuccess) return err;
-  return launch_flatten_staged(n_segments, flat, flat_bytes, device_table, FlattenVariant::kWarpRanges, stream);
+  return launch_flatten_staged(n_segments, flat, flat_bytes, device_table, kProductionVariant, stream);
 }
 
 cudaError_t launch_unflatten(const Segment* segments, int64_t n_segments, const void* flat, int64_t flat_bytes,
@@ -571,7 +571,7 @@ cudaError_t launch_unflatten(const Segment* segments, int64_t n_segments, const 
   if (n_segments == 0 || flat_bytes == 0) return cudaSuccess;
   cudaError_t err = stage(segments, n_segments, flat, flat_bytes, device_table, stream);
   if (err != cudaSuccess) return err;
-  return launch_unflatten_staged(n_segments, flat, flat_bytes, device_table, FlattenVariant::kWarpRanges, stream);
+  return launch_unflatten_staged(n_segments, flat, flat_bytes, device_table, kProductionVariant, stream);
 }
 
 cudaError_t launch_unflatten_scaled(const Segment* segments, int64_t n_segments, const void* flat,

@@ -75,9 +75,10 @@ size_t segment_table_bytes(int64_t n_segments);
 cudaError_t launch_flatten(const Segment* segments, int64_t n_segments, void* flat,
                            int64_t flat_bytes, void* device_table, cudaStream_t stream);
 
-// How the copy kernels split and copy the flat buffer. kWarpRanges is what
-// every launcher above uses (see [Note: one launch per call]); the others are
-// kept for flatten_selftest's comparison (`--variant all`) on a GPU:
+// How the copy kernels split and copy the flat buffer (see [Note: one
+// launch per call]). kProductionVariant, below, is what launch_flatten and
+// launch_unflatten use; the others are kept for flatten_selftest's
+// comparison (`--variant all`) on a GPU:
 //   kBlockRanges  equal ranges per block of 8 warps (16 KiB trips), resident grid
 //   kWarpChunks   16 KiB per warp, as many warps as that takes (several waves)
 //   kWarpNarrow   kWarpRanges without the shifted 16-byte path: every piece
@@ -104,6 +105,10 @@ enum class FlattenVariant : int {
   kWarpRangesU8Lb2 = 6,
 };
 constexpr int kFlattenVariants = 7;
+// The plain copies' variant: 8 vectors a lane without spilling measured
+// 0.86-0.88 of a device-to-device copy on an H200 where kWarpRanges measured
+// 0.82-0.86 (benchmarks/RESULTS.md). The scaled copy keeps kWarpRanges' split.
+constexpr FlattenVariant kProductionVariant = FlattenVariant::kWarpRangesU8Lb2;
 const char* flatten_variant_name(FlattenVariant variant);
 
 // launch_flatten with a chosen variant, of a table the caller has already put
