@@ -104,8 +104,10 @@ device's:
   * a collective "done" on the host may still run on a stream of the
     group's: a batched all-gather copies its output out on the waiting
     thread after the group's wait (csrc/transport/transport.cpp,
-    ``Transport::all_gather_many``), and a reduce batch never reuses an
-    earlier batch's device input (``GradBatch.input_for``).
+    ``Transport::all_gather_many``), and a reduction's input is let go of
+    only after the compute stream waited for its collective, two
+    reductions later (see [Note: reduce inputs on a device] in
+    _fsdp_schedule.py).
 Communication overlaps compute where the group runs it on its own stream
 (NCCL); the packing copies and casts run on the compute stream. Packing a
 unit's gradients is one ATen op per cut on the device (``pack_rank_major``
@@ -408,6 +410,7 @@ class FSDPParamGroup:
         # unsharded buffer's memory]. The slot the unsharded buffer points
         # into while unsharded (None: it owns its memory, or has none).
         self.pool = None  # a _fsdp_schedule.UnshardPool
+        self.reduce_inputs = None  # the root's _fsdp_schedule.ReduceInputs, on a device
         self.is_root = False
         self._slot = None  # a _fsdp_schedule.PoolSlot
         # unshard_units' lists of the batch this unit heads: (the units,
@@ -901,6 +904,8 @@ class FSDPParamGroup:
             else:
                 self._reduce = collectives.all_reduce_grads(self.transport, grads, self._numels, self.padded_numel,
                                                             self.dtype, self.device)
+            if self.reduce_inputs is not None and self._reduce is not None:
+                self.reduce_inputs.launched(self._reduce.future, self._let_go_of_reduce_input)
             for fp in self.fsdp_params:  # packed: the reduce-scatter input holds them now
                 fp.accumulated_grad = None
                 if fp.unsharded_param is not None:
@@ -940,6 +945,11 @@ class FSDPParamGroup:
             self.reshard()
         else:
             self._leave_pool()
+
+    def _let_go_of_reduce_input(self) -> None:
+        """See [Note: reduce inputs on a device] in _fsdp_schedule.py."""
+        if self._reduce is not None:
+            self._reduce = self._reduce._replace(input=None)
 
     def _grads_to_reduce(self) -> list:
         """Per parameter, the gradient to reduce, in reduce_dtype and
@@ -1099,16 +1109,18 @@ class FSDPParamGroup:
 
     # --- what the root and its schedule tell the unit ---------------------------
 
-    def join_root(self, label: str, enclosing: FSDPParamGroup | None, transport, replicate_transport, pool,
+    def join_root(self, label: str, enclosing: FSDPParamGroup | None, transport, replicate_transport, schedule,
                   is_root: bool) -> None:
         """The root's lazy init: the unit's place under the root (``label``),
-        the nearest unit around it, the transports and the unshard pool every
-        unit of the root shares, and whether it is the root's own unit."""
+        the nearest unit around it, the transports, the unshard pool and
+        reduce inputs every unit of the root shares (``schedule``'s), and
+        whether it is the root's own unit."""
         self.label = label
         self.enclosing = enclosing
         self.transport = transport
         self.replicate_transport = replicate_transport if self.sharded else None
-        self.pool = pool
+        self.pool = schedule.pool
+        self.reduce_inputs = schedule.reduce_inputs
         self.is_root = is_root
 
     def begin_iteration(self) -> None:

@@ -67,7 +67,7 @@ from pydist.fsdp._fsdp_common import Phase, ShardedState, TrainingState
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ReplicaReduce, _hand_out_grads
 
 __all__ = ["Schedule", "GatherPlan", "UnitRun", "unshard_units", "UnshardPool", "PoolSlot", "POOL_SLOTS",
-           "ReduceLayout", "GradBatch", "cut_reduce_layouts", "DEFAULT_BATCH_BYTES"]
+           "ReduceLayout", "GradBatch", "ReduceInputs", "cut_reduce_layouts", "DEFAULT_BATCH_BYTES"]
 
 # The states the hot paths test by identity.
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
@@ -96,6 +96,8 @@ class Schedule:
 
     def __init__(self, device: torch.device):
         self.pool = UnshardPool(device)  # see [Note: the unsharded buffer's memory]
+        # See [Note: reduce inputs on a device]; None on the CPU.
+        self.reduce_inputs = ReduceInputs() if device.type != "cpu" else None
         # This iteration's forward and backward gather plans (None: none yet,
         # or no forward order to plan from).
         self.forward_plan: GatherPlan | None = None
@@ -131,6 +133,13 @@ class Schedule:
         for batch in self.take_grad_batches():
             batch.abandon()
         self.backward_plan = None
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        """The root, once every reduction of the backward is waited for:
+        what it kept for them goes."""
+        if self.reduce_inputs is not None:
+            self.reduce_inputs.clear()
 
     def extend_run(self, hook, state) -> None:
         """At ``state``'s pre-forward (an FSDPState whose unit may be in a
@@ -705,6 +714,44 @@ class ReduceLayout:
         return cached[1], cached[2]
 
 
+class ReduceInputs:
+    """A root's reductions on a device, holding their inputs only as long as needed.
+
+    [Note: reduce inputs on a device]
+    A reduction's input (a batch's rank-major input, a lone unit's packed
+    gradients) is needed until its collective has read it. On the CPU the
+    collective is done when the transport says so, and a reduce batch takes
+    a done sibling's input (``GradBatch``). On a device a collective is
+    "done" on the host once issued (NCCL's work completes with its stream's
+    events) while its stream may still read the input, and the process
+    group keeps the input (NCCL stashes it) until the work is waited on;
+    left to the end of backward, the inputs add up to a whole unsharded
+    gradient. Here, a root's reductions on a device, in launch
+    order: each launch waits for every reduction launched before the
+    previous one and lets go of their inputs. NCCL's wait makes the compute
+    stream wait for the collective's end (no host wait) and hands the input
+    back to the caching allocator, which reuses it in stream order; gloo's
+    blocks until its staged copy is done (gloo's work keeps its tensors
+    until the handle goes, so there the memory is not freed before the end
+    of backward). The wait falls on a reduction that had at least one
+    unit's compute to overlap with, as FSDP2's post-backward waits for the
+    previous unit's reduce-scatter; about two inputs stay alive."""
+
+    def __init__(self):
+        self._in_flight: list = []  # (future, let_go), in launch order; inputs still held
+
+    def launched(self, future, let_go) -> None:
+        """A reduction started: ``future`` its transport future, ``let_go``
+        drops the references to its input."""
+        for earlier, drop in self._in_flight[:-1]:
+            earlier.wait()
+            drop()
+        self._in_flight = self._in_flight[-1:] + [(future, let_go)]
+
+    def clear(self) -> None:
+        self._in_flight = []
+
+
 class GradBatch:
     """Units whose gradients are reduce-scattered as one collective in one
     backward, laid out by a ``ReduceLayout`` the root's reduce plan chose
@@ -725,9 +772,8 @@ class GradBatch:
     a time, not one per batch, and writes into memory the process already
     has, where fresh memory (above glibc's mmap threshold, or given back to
     the kernel at the end of the last iteration) costs a page fault per
-    page at its first write. On CPU only: a device collective is "done" on
-    the host while its stream may still read the input, and the caching
-    allocator already reuses device memory in stream order."""
+    page at its first write. On the CPU only: see [Note: reduce inputs on
+    a device] for a device's."""
 
     def __init__(self, layout: ReduceLayout, siblings: list["GradBatch"]):
         self.layout = layout
@@ -804,6 +850,11 @@ class GradBatch:
         self.output = torch.empty(self.row, dtype=self.input.dtype, device=self.input.device)
         self.issued_ns = time.monotonic_ns()
         self.future = transport.reduce_scatter(self.input, self.output, self.transport_scale)
+        if self.arrived[0].reduce_inputs is not None:
+            self.arrived[0].reduce_inputs.launched(self.future, self._let_go_of_input)
+
+    def _let_go_of_input(self) -> None:
+        self.input = None
 
     def reduce_replicas(self) -> None:
         """HSDP: once the batch's reduce-scatter is done, starts the

@@ -264,10 +264,10 @@ class FSDPState:
             replicate = overlap_hooks.sharded_transport(
                 collectives.open_transport(self.replicate_group, samples, self.shm))
         self.schedule = Schedule(self.device)
-        pool = self.schedule.pool  # see [Note: the unsharded buffer's memory]
         for name, state in named:
             if state.param_group is not None:  # records and errors name units by their place
-                state.param_group.join_root(name, enclosing.get(id(state)), transport, replicate, pool, state is self)
+                state.param_group.join_root(name, enclosing.get(id(state)), transport, replicate, self.schedule,
+                                            state is self)
         self.transport = transport
         self.replicate_transport = replicate
         self._built_checked = False  # see [Note: every rank builds the same model]
@@ -502,6 +502,7 @@ class FSDPState:
             batch.finalize(all_trainable)  # one wait per batch; its members' shards get their .grad
         for pg in self._units:
             pg.finalize_backward()
+        self.schedule.end_backward()
         self.schedule.pool.release()  # see [Note: the unsharded buffer's memory]
         self.final_callback_queued = False
         if self.subscribers and self.forward_start_ns >= 0:

@@ -151,6 +151,31 @@ def test_hand_out_grads_sets_views_then_adds():
         _C.hand_out_grads(torch.ones(5), [p, q], [0])
 
 
+def test_reduce_inputs_wait_for_all_but_the_last_two_then_let_go():
+    """[Note: reduce inputs on a device]: each launch waits for the
+    reductions launched before the previous one, then lets go of their
+    inputs (waited first: the wait orders the stream before the memory is
+    reused); the last two stay held until the end of backward."""
+    from pydist.fsdp._fsdp_schedule import ReduceInputs
+
+    events = []
+
+    class Future:
+        def __init__(self, i):
+            self.i = i
+
+        def wait(self):
+            events.append(("wait", self.i))
+
+    held = ReduceInputs()
+    for i in range(5):
+        held.launched(Future(i), lambda i=i: events.append(("let go", i)))
+    assert events == [("wait", 0), ("let go", 0), ("wait", 1), ("let go", 1), ("wait", 2), ("let go", 2)]
+    held.clear()
+    held.launched(Future(5), lambda: events.append(("let go", 5)))
+    assert len(events) == 6, "a new backward waits for nothing of the last one"
+
+
 def test_pieces_like_views_in_each_shape():
     reduced = torch.arange(12, dtype=torch.float32)
     output = reduced[1:]
