@@ -311,14 +311,17 @@ def _full_params(impl: str, sc: Scenario, model) -> dict:
 
 
 def _full_tensor(dtensor) -> torch.Tensor:
-    """A torch FSDP2 parameter (``Shard(0)``) in full. Off the CPU its local
-    chunks are gathered on the CPU: ``full_tensor()`` of a CUDA DTensor over
-    gloo dies in torch 2.11's functional all-gather (SIGSEGV, seen on an
-    H200 with two ranks sharing the GPU)."""
+    """A torch FSDP2 parameter (``Shard(0)``, HSDP's ``(Replicate(),
+    Shard(0))``) in full. Off the CPU its local chunks are gathered on the
+    CPU over the mesh dimension that shards it: ``full_tensor()`` of a CUDA
+    DTensor over gloo dies in torch 2.11's functional all-gather (SIGSEGV,
+    seen on an H200 with two ranks sharing the GPU)."""
     if dtensor.device.type == "cpu":
         return dtensor.full_tensor()
-    chunks = [None] * dtensor.device_mesh.size()
-    dist.all_gather_object(chunks, dtensor.to_local().detach().cpu(), group=dtensor.device_mesh.get_group())
+    mesh = dtensor.device_mesh
+    dim = next(i for i, p in enumerate(dtensor.placements) if p.is_shard())
+    chunks = [None] * mesh.size(dim)
+    dist.all_gather_object(chunks, dtensor.to_local().detach().cpu(), group=mesh.get_group(dim))
     return torch.cat(chunks)
 
 

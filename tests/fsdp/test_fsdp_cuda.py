@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp_harness import MODELS, Scenario, _full_tensor, assert_parity, make_batch, make_optimizer, run_parity
+from test_fsdp_global_batch import train_global_batch
 
 pytestmark = pytest.mark.cuda
 
@@ -47,6 +48,29 @@ def test_gloo_two_ranks_on_one_gpu():
     ]
     results = run_parity(scenarios, 2, timeout=240)
     assert_parity(results, exact=True, scenarios=scenarios, transport="gloo")
+
+
+@pytest.mark.timeout(240)
+def test_hsdp_on_a_2x1_mesh_on_one_gpu():
+    """Two replicas of one shard each on cuda:0 over gloo: the reduce-scatter
+    over a group of one, then the replicas' all-reduce. ``fully_shard``
+    beside torch's HSDP, bitwise. FSDP1's HYBRID_SHARD against one process
+    on the global batch instead: torch's FSDP1 turns a shard group of one
+    into NO_SHARD ("since the world size is 1") and then never all-reduces
+    over the replicas, so its two ranks drift apart (4e-2 from the global
+    batch after 4 steps on the CPU, where pydist's is within 3e-8)."""
+    scenarios = [
+        Scenario(**GPU, mesh=(2, 1), model="nested", optimizer="adam"),
+        Scenario(**GPU, mesh=(2, 1), mixed=True),
+    ]
+    results = run_parity(scenarios, 2, timeout=170)
+    assert_parity(results, exact=True, scenarios=scenarios)
+    sc = Scenario(**GPU, mesh=(2, 1), api="fsdp1", strategy="HYBRID_SHARD", model="nested")
+    ref = train_global_batch(Scenario(mesh=(2, 1), api="fsdp1", strategy="HYBRID_SHARD", model="nested"), 2)
+    for rank, per_rank in enumerate(run_parity([sc], 2, timeout=170, impls=("pydist",))):
+        got = per_rank[0]["pydist"]
+        for k, v in ref.params.items():
+            torch.testing.assert_close(got.params[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {k}: {m}")
 
 
 @pytest.mark.timeout(240)
