@@ -37,6 +37,9 @@ def test_hsdp_is_bitwise_torch_hsdp_on_a_2x2_mesh():
 def test_every_mesh_shape_synchronizes_the_replicas():
     scenarios = [Scenario(mesh=mesh, model="nested", optimizer="sgd", shm=shm)
                  for mesh, shm in (((4, 1), None), ((1, 4), None), ((2, 2), False))]
+    # FSDP1's door too, where torch's FSDP1 turns HYBRID_SHARD with a shard
+    # group of one into NO_SHARD and never all-reduces over the replicas.
+    scenarios.append(Scenario(mesh=(4, 1), api="fsdp1", strategy="HYBRID_SHARD", model="nested", optimizer="sgd"))
     results = run_parity(scenarios, 4, timeout=140, impls=("pydist",))
     for i, sc in enumerate(scenarios):
         ref = train_global_batch(sc, 4)
