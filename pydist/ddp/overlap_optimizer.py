@@ -166,7 +166,8 @@ UPDATE_THREADS = ("auto", "worker", "forward")
 # on several threads of its own, so a decision does not wait behind a
 # chunk's transfer). The wrapper issues collectives from completion
 # callbacks, at moments of its own, so it gets a gloo group of the same
-# ranks to itself (made here, a collective over the world): on the DDP
+# ranks to itself (made at the wrapper's first attach, a collective over the
+# world, and kept for its later ones): on the DDP
 # group, the program's own collectives there (a buffer broadcast, the
 # bucket rebuild's agreement, the user's) would interleave with them in a
 # different order on different ranks. A DDP group smaller than the world
@@ -190,6 +191,10 @@ UPDATE_THREADS = ("auto", "worker", "forward")
 # one host (loopback) 1.29x; shared memory within noise. Detaching puts the
 # transport back.
 ORDERED_CREDIT_CHUNKS = 2
+# Each DDP wrapper's gloo group for the ordered wrapper, made at its first
+# attach and kept for the next ones: a group made per attach would hold its
+# sockets and threads to the end of the process.
+_decision_transports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def order_by_priority(ddp):
@@ -204,9 +209,12 @@ def order_by_priority(ddp):
         return None
     if current.world_size != dist.get_world_size() or len(topology.of(group, build_groups=False).hosts) == 1:
         return None
-    own = transports.ProcessGroupTransport(dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                                          timeout=topology.timeout_of(group)))
-    own.failure_context = current.failure_context
+    own = _decision_transports.get(ddp)
+    if own is None:  # every rank attaches alike, so every rank makes it at its first attach
+        own = transports.ProcessGroupTransport(dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                                              timeout=topology.timeout_of(group)))
+        own.failure_context = current.failure_context
+        _decision_transports[ddp] = own
     chunk = min(ddp._chunk_bytes or ddp.bucket_bytes_cap, ddp.bucket_bytes_cap)  # chunk_bytes 0: whole buckets
     ddp.reducer.set_transport(transports.wrap("ordered", own, inflight_bytes=ORDERED_CREDIT_CHUNKS * chunk))
     return current

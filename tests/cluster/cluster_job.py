@@ -112,6 +112,10 @@ def run_ddp(out: dict) -> None:
     out["overlapped_commits"] = overlapped.reducer.transport.stats().get("ordered_commits", 0)
     overlapped.overlap_optimizer(None)
     out["detached_transport"] = overlapped.reducer.transport.name
+    groups = len(dist.distributed_c10d._world.pg_map)
+    overlapped.overlap_optimizer(opts[-1])  # again: the ordered link's group is made once per wrapper
+    out["reattached"] = [overlapped.reducer.transport.name, len(dist.distributed_c10d._world.pg_map) - groups]
+    overlapped.overlap_optimizer(None)
     ours.overlap_optimizer(opts[0])  # the hierarchical transport stays as it is
     out["hierarchical_overlapped"] = ours.reducer.transport.name
     ours.overlap_optimizer(None)

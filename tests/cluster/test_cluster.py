@@ -98,6 +98,7 @@ def test_collectives_and_ddp_across_hosts_under_torchrun(cluster, tmp_path):
         assert r["overlapped_transport"] == "ordered(gloo)", r["overlapped_transport"]
         assert r["overlapped_same_as_plain"], "overlap_optimizer through the ordered link differs from plain DDP"
         assert r["detached_transport"] == "gloo", r["detached_transport"]
+        assert r["reattached"] == ["ordered(gloo)", 0], r["reattached"]
         assert r["hierarchical_overlapped"] == "hierarchical(shm+gloo)", r["hierarchical_overlapped"]
     assert cluster.shm_entries(0) == [] and cluster.shm_entries(1) == []
     assert results[0]["overlapped_commits"] >= 3, results[0]  # rank 0 decided the chunks
