@@ -9,7 +9,7 @@ STAMP := build/.pydist-installed
 SOURCES := $(shell find csrc pydist -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt \
 	requirements-frameworks.txt
 
-.PHONY: install test test-spawn test-mpi demo bench gpu-check clean
+.PHONY: install test test-spawn test-mpi demo bench gpu-check gpu-bench clean
 
 install: $(STAMP)
 
@@ -62,6 +62,14 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m cuda tests -p no:cacheprovider
 	cmake -S . -B build/cmake && cmake --build build/cmake --target flatten_selftest && ./build/cmake/flatten_selftest
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_flatten.py --device cuda
+
+# On a GPU machine, after gpu-check built the kernels: the sharded wrapper
+# beside torch FSDP2 (step and peak device memory, NCCL with one rank, then
+# gloo with two ranks sharing the GPU) and what is alive at the memory peak.
+gpu-bench:
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_fsdp_cuda.py --rounds 3 --steps 10
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_fsdp_cuda.py --backend gloo --models linear,transformer --rounds 2 --steps 5
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_memory_trace.py ln400,transformer
 
 clean:
 	rm -rf build pydist/_C*.so *.egg-info
