@@ -96,3 +96,8 @@ pytorch_lightning.strategies.ddp.DistributedDataParallel = TORCH_DDP  # see the 
 results["torch"] = {"accelerate": train_with_accelerate(), "lightning": train_with_lightning()}
 if int(os.environ["RANK"]) == 0:
     torch.save(results, os.path.join(args.out, "results.pt"))
+# Groups destroyed before exit, as torch asks: gloo's threads left to the
+# interpreter's exit can abort the process ("terminate called without an
+# active exception", pytorch/pytorch#190489; seen once here, on a rank whose
+# training had ended).
+torch.distributed.destroy_process_group()
