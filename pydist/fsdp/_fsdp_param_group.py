@@ -897,15 +897,16 @@ class FSDPParamGroup:
             self.had_grad = [g is not None for g in grads]
             self._reduce_issued = time.monotonic_ns()
             if batch is not None and not batch.launched:
-                batch.add(self, grads)
-            elif self.sharded:
-                self._reduce = collectives.reduce_scatter_grads(self.transport, self.pack_grads, grads,
-                                                                self.shard_numel, self.reduce_dtype, self.device)
+                batch.add(self, grads)  # the batch's launch tells reduce_inputs
             else:
-                self._reduce = collectives.all_reduce_grads(self.transport, grads, self._numels, self.padded_numel,
-                                                            self.dtype, self.device)
-            if self.reduce_inputs is not None and self._reduce is not None:
-                self.reduce_inputs.launched(self._reduce.future, self._let_go_of_reduce_input)
+                if self.sharded:
+                    self._reduce = collectives.reduce_scatter_grads(self.transport, self.pack_grads, grads,
+                                                                    self.shard_numel, self.reduce_dtype, self.device)
+                else:
+                    self._reduce = collectives.all_reduce_grads(self.transport, grads, self._numels,
+                                                                self.padded_numel, self.dtype, self.device)
+                if self.reduce_inputs is not None:
+                    self.reduce_inputs.launched(self._reduce.future, self._let_go_of_reduce_input)
             for fp in self.fsdp_params:  # packed: the reduce-scatter input holds them now
                 fp.accumulated_grad = None
                 if fp.unsharded_param is not None:
