@@ -435,16 +435,51 @@ def _flat_local_piece(fp: FSDPParam, value: Any, key: str) -> torch.Tensor:
     return value.reshape(-1).narrow(0, start, end - start)
 
 
-def _keys_of_units(module: nn.Module, units) -> dict[int, list[str]]:
+# [Note: activation checkpointing's key prefix]
+# torch's checkpoint_wrapper (apply_activation_checkpointing, used before or
+# after wrapping, with either door) puts the module it wraps under
+# ``_checkpoint_wrapped_module`` and hides that name from state dicts: its
+# state_dict hook strips the segment, its load pre-hook puts it back. torch's
+# FSDP1 strips it from its parameter names too (``clean_tensor_name``), so a
+# checkpoint's keys, the optimizer state dict's and FSDP1's are the cleaned
+# ones. pydist names parameters by walking the modules, so it cleans the same
+# segment; and a unit's own state-dict hooks, which run before or after a
+# wrapper's (the wrapper around the unit, the unit itself, wrappers inside
+# it), find a parameter under whichever form the dict holds at that moment
+# (_key_forms).
+_CHECKPOINT_SEGMENT = "_checkpoint_wrapped_module."
+
+
+def clean_key(key: str) -> str:
+    """``key`` without activation checkpointing's wrapper segments (see the Note)."""
+    return key.replace(_CHECKPOINT_SEGMENT, "") if _CHECKPOINT_SEGMENT in key else key
+
+
+def _key_forms(key: str) -> tuple[str, ...]:
+    """The forms a state dict may hold ``key`` (relative to a unit's module)
+    in while one of the unit's hooks runs: as named, cleaned, or cleaned but
+    for the unit's own wrapper segment (the unit is a checkpoint wrapper
+    whose load pre-hook ran, the wrappers inside it not yet)."""
+    if _CHECKPOINT_SEGMENT not in key:
+        return (key,)
+    forms = [key, clean_key(key)]
+    if key.startswith(_CHECKPOINT_SEGMENT):
+        forms.append(_CHECKPOINT_SEGMENT + clean_key(key[len(_CHECKPOINT_SEGMENT):]))
+    return tuple(dict.fromkeys(forms))
+
+
+def _keys_of_units(module: nn.Module, units, clean: bool = True) -> dict[int, list[str]]:
     """For each FSDPParam of ``units`` (by id), the state-dict keys it has
-    under ``module`` (several when shared), in ``module.state_dict()`` order."""
+    under ``module`` (several when shared), in ``module.state_dict()`` order;
+    cleaned as ``module.state_dict()`` gives them, or as named (``clean=False``)."""
     slot_to_fp = {(id(info.module), info.name): fp for pg in units for fp in pg.fsdp_params for info in fp.module_infos}
     keys: dict[int, list[str]] = {}
     for mod_name, m in module.named_modules(remove_duplicate=False):
         for name in m._parameters:
             fp = slot_to_fp.get((id(m), name))
             if fp is not None:
-                keys.setdefault(id(fp), []).append(f"{mod_name}.{name}" if mod_name else name)
+                key = f"{mod_name}.{name}" if mod_name else name
+                keys.setdefault(id(fp), []).append(clean_key(key) if clean else key)
     return keys
 
 
@@ -471,12 +506,19 @@ class _UnitStateDictHooks:
         pg.shard_materialized()  # a unit built on the meta device: its shard is what a state dict holds
         return pg
 
-    def _entries(self, pg, prefix: str):
+    def _entries(self, pg, prefix: str, state_dict: dict):
+        """(FSDPParam, its key in ``state_dict``) for each key of each
+        parameter the dict holds, in whichever form it holds it (see
+        [Note: activation checkpointing's key prefix])."""
         if self._keys is None:
-            self._keys = _keys_of_units(self.module, [pg])
+            self._keys = {i: [_key_forms(k) for k in ks]
+                          for i, ks in _keys_of_units(self.module, [pg], clean=False).items()}
         for fp in pg.fsdp_params:
-            for key in self._keys.get(id(fp), []):
-                yield fp, prefix + key
+            for forms in self._keys.get(id(fp), []):
+                for form in forms:
+                    if prefix + form in state_dict:
+                        yield fp, prefix + form
+                        break
 
     def state_dict_hook(self, module, state_dict, prefix, local_metadata):
         pg = self._param_group()
@@ -484,19 +526,17 @@ class _UnitStateDictHooks:
             return None
         if pg.dtensor:  # DTensor parameters are FSDP2's state dict as they are; an unsharded unit's too
             if pg.sharded_state is not ShardedState.SHARDED:
-                for fp, key in self._entries(pg, prefix):
-                    if key in state_dict:
-                        state_dict[key] = fp.sharded_param.detach()
+                for fp, key in self._entries(pg, prefix, state_dict):
+                    state_dict[key] = fp.sharded_param.detach()
             return None
         if pg.training_state is TrainingState.SUMMONED:
             return None  # the summoned full parameters, as torch's: see [Note: summoning full parameters]
         group = state_of(module).group
-        for fp, key in self._entries(pg, prefix):
-            if key in state_dict:
-                # A zero-size parameter has no piece anywhere: given whole, as an empty tensor of its shape
-                # (see [Note: a unit of zero-size parameters] in _fully_shard.py).
-                state_dict[key] = (_as_sharded_tensor(fp, fp.sharded_param, group) if fp.numel
-                                   else fp.sharded_param.detach().new_empty(fp.shape))
+        for fp, key in self._entries(pg, prefix, state_dict):
+            # A zero-size parameter has no piece anywhere: given whole, as an empty tensor of its shape
+            # (see [Note: a unit of zero-size parameters] in _fully_shard.py).
+            state_dict[key] = (_as_sharded_tensor(fp, fp.sharded_param, group) if fp.numel
+                               else fp.sharded_param.detach().new_empty(fp.shape))
         return None
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -518,19 +558,18 @@ class _UnitStateDictHooks:
             pg.reshard()  # the shards are what loads; a later unshard gathers the new values
         from torch.distributed.tensor import DTensor
 
-        for fp, key in self._entries(pg, prefix):
-            if key in state_dict:
-                mismatch = _full_shape_mismatch(fp, state_dict[key], key)
-                if mismatch is not None:  # see [Note: shape-checked loads]
-                    error_msgs.append(mismatch)
-                    state_dict[key] = fp.sharded_param.detach()  # load_state_dict copies the shard onto itself
-                    continue
-                value = state_dict[key]
-                if pg.dtensor and isinstance(value, DTensor) and value._spec.placements == fp.spec.placements \
-                        and value._spec.mesh == fp.spec.mesh:
-                    continue  # torch's load copies it local to local
-                piece = _to_local_piece(fp, value, key)
-                state_dict[key] = as_dtensor(piece, fp.spec) if pg.dtensor else piece
+        for fp, key in self._entries(pg, prefix, state_dict):
+            mismatch = _full_shape_mismatch(fp, state_dict[key], key)
+            if mismatch is not None:  # see [Note: shape-checked loads]
+                error_msgs.append(mismatch)
+                state_dict[key] = fp.sharded_param.detach()  # load_state_dict copies the shard onto itself
+                continue
+            value = state_dict[key]
+            if pg.dtensor and isinstance(value, DTensor) and value._spec.placements == fp.spec.placements \
+                    and value._spec.mesh == fp.spec.mesh:
+                continue  # torch's load copies it local to local
+            piece = _to_local_piece(fp, value, key)
+            state_dict[key] = as_dtensor(piece, fp.spec) if pg.dtensor else piece
 
 
 # [Note: shape-checked loads]
@@ -604,7 +643,28 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
             for key in keys.get(id(fp), []):
                 if key in sd:
                     sd[key] = full
+    _check_nothing_sharded_left(sd, units)
     return sd if keep else {}
+
+
+def _check_nothing_sharded_left(sd: dict, units) -> None:
+    """Raises where a full state dict still holds a piece of a shard (a
+    ShardedTensor, a DTensor, or a view of a unit's shard): a key
+    ``full_state_dict`` did not find, renamed by a state-dict hook it does
+    not know. Saved, such a checkpoint would hold one rank's piece under a
+    full parameter's name."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    shards = {pg.shard.untyped_storage().data_ptr() for pg in units if pg.sharded and pg.shard.numel()}
+    left = [key for key, value in sd.items()
+            if isinstance(value, (ShardedTensor, DTensor)) or (
+                isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().data_ptr() in shards)]
+    if left:
+        raise RuntimeError(
+            f"pydist full_state_dict: {left[:5]} still hold this rank's shard, not the full tensor: their keys are not "
+            "the ones pydist names the parameters by (a state-dict hook renamed them?); nothing was returned, so no "
+            "checkpoint of shards is saved as a full one")
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = False):
@@ -636,7 +696,7 @@ def _optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer) -> l
     units = [s.param_group for s in states]
     group_of = {id(s.param_group): s.group for s in states}
     keys = _keys_of_units(module, units)
-    plain = {id(p): n for n, p in module.named_parameters()}
+    plain = {id(p): clean_key(n) for n, p in module.named_parameters()}
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -468,3 +468,133 @@ def test_fsdp1_legacy_optimizer_state_api():
         assert out["uninterrupted"] == out["reference"], f"rank {rank}"
         for how in ("shard", "shard_no_optim", "by_id", "scatter", "scatter_fsdp2", "flatten"):
             assert out[how] == out["reference"], f"rank {rank}: resumed through {how}"
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.n = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.n(torch.relu(self.a(x))) + x
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Linear(8, 16), nn.ModuleList([_Block() for _ in range(3)]), nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _activation_checkpointing_rank(rank, world_size, ckpt_dir):
+    """FSDP1 with torch's checkpoint_wrapper applied before and after wrapping
+    (the recipes of accelerate and llama-recipes), whose state-dict hooks
+    strip ``_checkpoint_wrapped_module.`` from the keys: full and sharded
+    state dicts and the optimizer's, against torch FSDP1's keys and values
+    and a resume through each."""
+    import functools
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import pydist
+
+    checkpointing = functools.partial(
+        apply_activation_checkpointing, check_fn=lambda m: isinstance(m, _Block),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+    def build(impl, order, seed=0):
+        torch.manual_seed(seed)
+        model = _Net()
+        if order == "before":
+            checkpointing(model)
+        if impl == "torch_fsdp2":
+            mesh = init_device_mesh("cpu", (world_size,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            model = fully_shard(model, mesh=mesh)
+        else:
+            wrapper = TorchFSDP if impl == "torch" else pydist.FullyShardedDataParallel
+            model = wrapper(model, auto_wrap_policy=ModuleWrapPolicy({_Block}), use_orig_params=True,
+                            device_id=torch.device("cpu"))
+        if order == "after":
+            checkpointing(model)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def train(model, opt, steps, offset):
+        losses = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(1000 * rank + offset + step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    fsdp = pydist.FullyShardedDataParallel
+    out = {}
+    for order in ("before", "after"):
+        model, opt = build("torch", order)
+        train(model, opt, 2, 0)
+        with TorchFSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            # (torch FSDP1's optimizer values on the CPU are wrong, see _legacy_optim_rank: its keys only)
+            torch_sd, torch_osd_keys = model.state_dict(), sorted(TorchFSDP.optim_state_dict(model, opt)["state"])
+        model, opt = build("torch_fsdp2", order)
+        train(model, opt, 2, 0)
+        fsdp2_osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        model, opt = build("pydist", order)
+        train(model, opt, 2, 0)
+        with fsdp.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            full, full_osd = model.state_dict(), fsdp.optim_state_dict(model, opt)
+        got_full = full
+        with fsdp.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            path = os.path.join(ckpt_dir, order)
+            dcp.save({"model": model.state_dict(), "optim": fsdp.optim_state_dict(model, opt)}, checkpoint_id=path)
+        full = {k: v if type(v) is torch.Tensor else type(v).__name__ for k, v in full.items()}  # (picklable)
+        out[order] = {"torch_sd": torch_sd, "full": full, "torch_osd_keys": torch_osd_keys, "fsdp2_osd": fsdp2_osd,
+                      "full_osd": full_osd, "uninterrupted": train(model, opt, 2, 2)}
+        model, opt = build("pydist", order, seed=1)  # other weights: the loads must replace every one
+        with fsdp.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(got_full)
+            opt.load_state_dict(fsdp.optim_state_dict_to_load(model, opt, full_osd))
+        out[order]["resumed_full"] = train(model, opt, 2, 2)
+        model, opt = build("pydist", order, seed=1)
+        with fsdp.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            sd = {"model": model.state_dict(), "optim": fsdp.optim_state_dict(model, opt)}
+            dcp.load(sd, checkpoint_id=path)
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(fsdp.optim_state_dict_to_load(model, opt, sd["optim"]))
+        out[order]["resumed_sharded"] = train(model, opt, 2, 2)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_fsdp1_checkpoints_under_activation_checkpointing(tmp_path):
+    for rank, out in enumerate(run_ranks(_activation_checkpointing_rank, 2, args=(str(tmp_path),), timeout=140)):
+        for order, got in out.items():
+            where = f"rank {rank}, checkpoint_wrapper applied {order} wrapping"
+            ref, full = got["torch_sd"], got["full"]
+            assert list(full) == list(ref), f"{where}: full state dict keys {list(full)}"
+            for key in ref:
+                assert type(full[key]) is torch.Tensor, f"{where}: {key} is a {full[key]}"
+                assert torch.equal(full[key], ref[key]), f"{where}: {key}"
+            assert sorted(got["full_osd"]["state"]) == got["torch_osd_keys"], where
+            for key, states in got["fsdp2_osd"]["state"].items():
+                for name, value in states.items():
+                    assert torch.equal(torch.as_tensor(got["full_osd"]["state"][key][name]), value), (where, key, name)
+            assert got["resumed_full"] == got["uninterrupted"], f"{where}: resumed from the full state dicts"
+            assert got["resumed_sharded"] == got["uninterrupted"], f"{where}: resumed from the DCP checkpoint"
