@@ -55,7 +55,6 @@ _UNSUPPORTED_KEYWORDS: dict[str, Any] = {
     "delay_all_reduce_named_params": None,
     "param_to_hook_all_reduce": None,
     "mixed_precision": None,
-    "device_mesh": None,
     "skip_all_reduce_unused_params": False,
     "bucket_cap_mb_list": None,
     "batched_grad_copy": False,
@@ -148,6 +147,7 @@ class DistributedDataParallel(_TorchDDP):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         *,
+        device_mesh=None,
         first_bucket_cap_mb: float | None = None,
         allreduce_chunk_mb: float = 4.0,
         shm_allreduce: bool | None = None,
@@ -166,7 +166,9 @@ class DistributedDataParallel(_TorchDDP):
                 "(or torch.distributed.init_process_group()) first"
             )
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = _group_of(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
         # torch's parameters_to_ignore: qualified names of parameters and
         # buffers left out of every synchronization (construction broadcast,
         # gradient averaging, buffer broadcast), set on the module by
@@ -818,6 +820,24 @@ def _module_device(module: nn.Module, device_ids) -> torch.device:
         if wanted != device:
             raise ValueError(f"DistributedDataParallel: device_ids={device_ids} but the module is on {device}")
     return device
+
+
+def _group_of(process_group, device_mesh):
+    """The group to synchronize over: torch DDP's choice among
+    ``process_group``, a 1-D ``device_mesh``'s group and the default group,
+    with its errors."""
+    if device_mesh is None:
+        return process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    if device_mesh._get_root_mesh() != device_mesh:
+        # torch rewrites the module's DTensor parameters for DDP + tensor parallelism here.
+        raise NotImplementedError(
+            f"DistributedDataParallel: pydist does not implement a device_mesh sliced from a larger mesh "
+            f"({device_mesh}, of {device_mesh._get_root_mesh()}: DDP beside tensor parallelism); use torch's DDP")
+    return device_mesh.get_group(mesh_dim=0)
 
 
 def _global_rank(group, group_rank: int) -> int:

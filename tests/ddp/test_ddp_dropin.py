@@ -13,6 +13,8 @@ ranks: bitwise, see [Note: when the suite asserts bitwise equality]).
   ``_get_ddp_logging_data()`` / ``logger``, ``_register_fused_optim``,
   ``_register_builtin_comm_hook``; the inherited methods pydist does not
   implement raise ``NotImplementedError`` naming themselves.
+- ``device_mesh=`` (1-D) as torch's, with torch's errors; torch's
+  ``ZeroRedundancyOptimizer`` and post-local-SGD hook on the wrapper.
 """
 
 import copy
@@ -393,3 +395,87 @@ def test_torch_compile_matches_eager_without_recompiles():
         # DDPOptimizer split the graph at pydist's buckets as at torch's
         assert ours["graphs_warm"] == theirs["graphs_warm"] > 1, (ours["graphs_warm"], theirs["graphs_warm"])
         assert ours["graph_breaks"] <= theirs["graph_breaks"], (ours["graph_breaks"], theirs["graph_breaks"])
+
+
+def _outcome(fn):
+    """("ok", "") or (exception type name, message)."""
+    try:
+        fn()
+        return ("ok", "")
+    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
+        return (type(e).__name__, str(e))
+
+
+def _device_mesh(rank, world_size):
+    """torch DDP's ``device_mesh=``: a 1-D mesh's group, against torch DDP
+    given the same mesh; the errors torch raises for a mesh beside a group
+    and for a 2-D mesh, and pydist's refusal of a mesh sliced from a larger
+    one (DDP beside tensor parallelism, where torch rewrites the module)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    mesh = init_device_mesh("cpu", (world_size,))
+    for impl in ("torch", "pydist"):
+        torch.manual_seed(0)
+        ddp = ddp_class(impl)(MLP(), device_mesh=mesh)
+        _steps(ddp, rank, 0, 3)
+        out[impl] = (_state(ddp.module), ddp.device_mesh is mesh, ddp.process_group is mesh.get_group())
+    torch.manual_seed(0)
+    out["both"] = _outcome(lambda: ddp_class("pydist")(MLP(), process_group=dist.group.WORLD, device_mesh=mesh))
+    mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("tp", "dp"))
+    for impl in ("torch", "pydist"):
+        torch.manual_seed(0)
+        out[f"{impl}:2d"] = _outcome(lambda: ddp_class(impl)(MLP(), device_mesh=mesh_2d))
+    out["sliced"] = _outcome(lambda: ddp_class("pydist")(MLP(), device_mesh=mesh_2d["dp"]))
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_device_mesh_as_torchs():
+    for rank, r in enumerate(run_ranks(_device_mesh, 2, timeout=60)):
+        (theirs, *_), (mine, mesh_kept, group) = r["torch"], r["pydist"]
+        assert mesh_kept and group, rank
+        for name, value in theirs.items():
+            assert torch.equal(mine[name], value), f"rank {rank}: {name}"
+        assert r["both"] == ("RuntimeError", "Cannot specify both process_group and device_mesh arguments."), r["both"]
+        assert r["pydist:2d"] == r["torch:2d"] and "Only 1D device mesh" in r["torch:2d"][1], r["pydist:2d"]
+        kind, msg = r["sliced"]
+        assert kind == "NotImplementedError" and "sliced" in msg, (kind, msg)
+
+
+def _zero_and_local_sgd(rank, world_size):
+    """torch's ZeroRedundancyOptimizer, and the post-local-SGD comm hook with
+    its PeriodicModelAverager, on each wrapper: the parameters after 6 steps."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    subgroup, _ = dist.new_subgroups(group_size=1)  # (its default needs CUDA)
+    out = {}
+    for impl in ("torch", "pydist"):
+        for how in ("zero", "local_sgd"):
+            torch.manual_seed(0)
+            ddp = ddp_class(impl)(MLP())
+            averager = None
+            if how == "zero":
+                opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+            else:
+                ddp.register_comm_hook(PostLocalSGDState(None, subgroup, start_localSGD_iter=2), post_localSGD_hook)
+                averager = PeriodicModelAverager(period=2, warmup_steps=2)
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+            for step in range(6):
+                ddp(_batch(rank, step)).pow(2).mean().backward()
+                opt.step()
+                if averager is not None:  # (it averages the parameters that have a .grad)
+                    averager.average_parameters(ddp.parameters())
+                opt.zero_grad()
+            out[f"{impl}:{how}"] = [p.detach().clone() for p in ddp.parameters()]
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_zero_redundancy_optimizer_and_post_local_sgd_as_beside_torch():
+    for rank, r in enumerate(run_ranks(_zero_and_local_sgd, 2, timeout=60)):
+        for how in ("zero", "local_sgd"):
+            for mine, theirs in zip(r[f"pydist:{how}"], r[f"torch:{how}"]):
+                assert torch.equal(mine, theirs), f"rank {rank}: {how}"
