@@ -51,15 +51,15 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
 
     torch's ``MixedPrecisionPolicy()`` and ``OffloadPolicy()`` are accepted
     (``MixedPrecisionPolicy``: see [Note: mixed precision]); CPU offload,
-    ``shard_placement_fn``,
-    ``ignored_params``, an int ``reshard_after_forward`` and meshes of more
-    than two dimensions raise ``NotImplementedError`` naming them. ``shm``
+    ``shard_placement_fn``, an int ``reshard_after_forward`` and meshes of
+    more than two dimensions raise ``NotImplementedError`` naming them.
+    ``ignored_params`` (a set of parameters) are left as torch's are: not
+    sharded, their gradients not reduced, plain tensors in state dicts. ``shm``
     (pydist's own) picks the transport: see ``open_transport``. torch's
     ``clip_grad_norm_`` clips the sharded gradients by their global norm
     (see [Note: the global norm of sharded gradients])."""
     MixedPrecisionPolicy, OffloadPolicy = _torch_policies()
     _refuse(shard_placement_fn is not None, "shard_placement_fn")
-    _refuse(ignored_params, "ignored_params")
     _refuse(not isinstance(reshard_after_forward, bool), f"reshard_after_forward={reshard_after_forward!r} (an int)")
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
@@ -69,7 +69,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     from pydist.overlap import hooks as overlap_hooks
 
     overlap_hooks.sharded_made()  # [overlap hook] a PYDIST_SIM_NET it cannot read is refused here, as DDP does
-    named = _managed_params(module)
+    named = _managed_params(module, _ignored_ids(ignored_params))
     if _process_group is not None:
         group, replicate_group = _process_group, _replicate_group
     else:
@@ -197,16 +197,27 @@ def _groups_of(mesh) -> tuple:
     return mesh.get_group(1), mesh.get_group(0)
 
 
-def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamModuleInfo]]]:
+def _ignored_ids(ignored_params) -> set[int]:
+    """The ids of ``ignored_params`` (None, or parameters), checked."""
+    ids = set()
+    for p in ignored_params or ():
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"pydist.fully_shard: ignored_params holds a {type(p).__name__}, not a parameter")
+        ids.add(id(p))
+    return ids
+
+
+def _managed_params(module: nn.Module, ignored: set[int]) -> list[tuple[str, nn.Parameter, list[ParamModuleInfo]]]:
     """(fqn, parameter, where it is registered) for the parameters of
-    ``module`` not managed by a fully_shard'ed submodule, in registration order."""
+    ``module`` not managed by a fully_shard'ed submodule nor ``ignored`` (ids),
+    in registration order."""
     by_id: dict[int, tuple[str, nn.Parameter, list[ParamModuleInfo]]] = {}
 
     def visit(prefix: str, m: nn.Module, top: bool):
         if not top and state_of(m) is not None:
             return
         for name, p in m._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             if hasattr(p, "_pydist_fsdp_taken_by"):
                 raise NotImplementedError(

@@ -136,8 +136,9 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         _refuse(strategy not in _RESHARD_AFTER_FORWARD, f"sharding_strategy={strategy}")
         _refuse(cpu_offload is not None and cpu_offload.offload_params, "cpu_offload=CPUOffload(offload_params=True)")
-        _refuse(ignored_modules, "ignored_modules")
-        _refuse(ignored_states, "ignored_states")
+        ignored, ignored_params = _ignored(module, ignored_modules, ignored_states)
+        _refuse(ignored_params and mixed_precision is not None, "ignored_modules or ignored_states with mixed_precision")
+        _refuse(any(p.is_meta for p in ignored_params), "ignored_modules or ignored_states on the meta device")
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(f"pydist.FullyShardedDataParallel: param_init_fn must be callable, got {param_init_fn!r}")
         _refuse(backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE), f"backward_prefetch={backward_prefetch}")
@@ -145,20 +146,20 @@ class FullyShardedDataParallel(nn.Module):
         device = torch.device(device_id) if device_id is not None else None
         _refuse(device is not None and device.type not in ("cpu", "cuda"), f"device_id={device_id}")
         group, replicate_group = _groups(strategy, process_group, device_mesh)
-        targets = _wrap_targets(module, auto_wrap_policy)
+        targets = _wrap_targets(module, auto_wrap_policy, ignored, ignored_params)
         _materialize(module, targets, param_init_fn, device or torch.device("cpu"))
         if device is not None:  # torch's FSDP1 moves the module's tensors to device_id before sharding
             module.to(device)
         if sync_module_states:
-            _broadcast_module_states(module, group)
+            _broadcast_module_states(module, group, ignored, ignored_params)
             if replicate_group is not None:  # as torch's FSDP1: then across the replicas
-                _broadcast_module_states(module, replicate_group)
+                _broadcast_module_states(module, replicate_group, ignored, ignored_params)
         unit_policy, root_policy = _mixed_precision_policies(mixed_precision, module, auto_wrap_policy)
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
         buffer_orig_dtypes = _cast_buffers(module, mixed_precision)
-        kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm,
+        kwargs = dict(reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy], shm=shm, ignored_params=ignored_params,
                       _sharded=strategy != ShardingStrategy.NO_SHARD, _process_group=group,
                       _replicate_group=replicate_group,
                       _zeros_for_unused=True,  # FSDP1's answer: see [Note: parameters without a gradient]
@@ -434,20 +435,45 @@ def _wrapped(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, FullyShardedDataParallel) else model
 
 
-def _wrap_targets(root: nn.Module, policy) -> set:
-    """The modules torch's FSDP1 would wrap under ``policy`` (the root aside)."""
+def _ignored(root: nn.Module, ignored_modules, ignored_states) -> tuple[set, set]:
+    """(the modules, the parameters) FSDP1's ``ignored_modules`` or
+    ``ignored_states`` (parameters or modules) leave out, as torch's FSDP1
+    reads them: a module's whole subtree, none of it wrapped, none of its
+    parameters sharded or reduced."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. "
+                         "Please just pass ignored_states.")
+    given = list(ignored_modules if ignored_modules is not None else ignored_states or ())
+    if given and all(isinstance(x, nn.Parameter) for x in given):
+        return set(), set(given)
+    if not all(isinstance(x, nn.Module) for x in given):
+        raise TypeError("pydist.FullyShardedDataParallel: ignored_modules is an iterable of nn.Modules, "
+                        "ignored_states one of parameters or of modules, not mixed; got "
+                        f"{sorted({type(x).__name__ for x in given})}")
+    if root in given:
+        raise ValueError("pydist.FullyShardedDataParallel: the module being wrapped is among ignored_modules: "
+                         "there would be nothing to shard")
+    modules = {m for top in given for m in top.modules()}
+    return modules, {p for m in modules for p in m.parameters(recurse=False)}
+
+
+def _wrap_targets(root: nn.Module, policy, ignored: set, ignored_params: set) -> set:
+    """The modules torch's FSDP1 would wrap under ``policy`` (the root aside),
+    ``ignored`` modules and ``ignored_params`` left out as it leaves them."""
     if policy is None:
         return set()
     from torch.distributed.fsdp.wrap import _Policy
 
     if isinstance(policy, _Policy):
-        return set(policy._run_policy(root, set(), {}))
+        return set(policy._run_policy(root, ignored, {})) - ignored
     targets: set = set()
 
     def recurse(module: nn.Module) -> int:
         # torch.distributed.fsdp.wrap._recursive_wrap, without the wrapping:
         # returns the number of parameters wrapped in module's subtree.
-        nonwrapped = sum(p.numel() for p in module.parameters())
+        if module in ignored:
+            return 0
+        nonwrapped = sum(p.numel() for p in module.parameters() if p not in ignored_params)
         if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
             return 0
         wrapped = sum(recurse(child) for child in module.children())
@@ -599,8 +625,10 @@ def _buffers_cast_back(root: nn.Module, targets: set, orig_dtypes: dict) -> dict
             if any(not name or fqn.startswith(name + ".") for name in owners)}
 
 
-def _broadcast_module_states(module: nn.Module, group) -> None:
+def _broadcast_module_states(module: nn.Module, group, ignored: set, ignored_params: set) -> None:
+    """Rank 0's parameters and buffers to the group, those ignored left out (as torch's FSDP1)."""
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    buffers = list({id(b): b for m in module.modules() if m not in ignored for b in m.buffers(recurse=False)}.values())
     with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
+        for t in [p for p in module.parameters() if p not in ignored_params] + buffers:
             dist.broadcast(t.data, src=src, group=group)

@@ -1,7 +1,9 @@
 """``pydist.FullyShardedDataParallel`` against torch's FSDP1 (``device_id=cpu``,
 ``use_orig_params=True``) at 2 ranks (bitwise) and 4 (``rtol=1e-6``), with and
 without ``MixedPrecision``, its ``sync_module_states``, and full state dicts
-moved between pydist and torch FSDP2 in both directions, on spawned gloo ranks."""
+moved between pydist and torch FSDP2 in both directions; checkpoints under
+torch's checkpoint_wrapper; parameters left out of sharding (FSDP1's
+ignored_modules and ignored_states, FSDP2's ignored_params), on spawned gloo ranks."""
 
 import dataclasses
 
@@ -598,3 +600,63 @@ def test_fsdp1_checkpoints_under_activation_checkpointing(tmp_path):
                     assert torch.equal(torch.as_tensor(got["full_osd"]["state"][key][name]), value), (where, key, name)
             assert got["resumed_full"] == got["uninterrupted"], f"{where}: resumed from the full state dicts"
             assert got["resumed_sharded"] == got["uninterrupted"], f"{where}: resumed from the DCP checkpoint"
+
+
+def _ignored_rank(rank, world_size, _unused):
+    """The head left out of sharding: FSDP1's ignored_modules and
+    ignored_states (its parameters), FSDP2's ignored_params; against torch's,
+    rank by rank (the head's gradients are not reduced, so the ranks' heads
+    part): losses, FSDP1's clipped norms, full state dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import pydist
+
+    def build(impl, how):
+        torch.manual_seed(0)
+        net = _Net()
+        if how == "fsdp2":
+            shard = fully_shard if impl == "torch" else pydist.fully_shard
+            kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
+            for block in net.blocks:
+                shard(block, **kwargs)
+            return shard(net, ignored_params=set(net.head.parameters()), **kwargs), net.head
+        ignored = {"ignored_modules": [net.head]} if how == "modules" else {"ignored_states": list(net.head.parameters())}
+        wrapper = TorchFSDP if impl == "torch" else pydist.FullyShardedDataParallel
+        return wrapper(net, auto_wrap_policy=ModuleWrapPolicy({_Block}), use_orig_params=True,
+                       device_id=torch.device("cpu"), **ignored), net.head
+
+    out = {}
+    for how in ("modules", "states", "fsdp2"):
+        for impl in ("torch", "pydist"):
+            model, head = build(impl, how)
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            losses = []
+            for step in range(3):
+                g = torch.Generator().manual_seed(1000 * rank + step)
+                loss = F.mse_loss(model(torch.randn(8, 8, generator=g)), torch.randn(8, 4, generator=g))
+                loss.backward()
+                norm = model.clip_grad_norm_(0.5).item() if how != "fsdp2" else None
+                opt.step()
+                opt.zero_grad()
+                losses.append((loss.item(), norm))
+            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            out[f"{impl}:{how}"] = (losses, sd, type(head.weight) is nn.Parameter)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_ignored_modules_and_params_as_torchs():
+    results = run_ranks(_ignored_rank, 2, args=(None,), timeout=140)
+    for rank, out in enumerate(results):
+        for how in ("modules", "states", "fsdp2"):
+            (theirs, ref, _), (mine, sd, plain) = out[f"torch:{how}"], out[f"pydist:{how}"]
+            assert mine == theirs, f"rank {rank}, {how}: losses and norms {mine} != torch's {theirs}"
+            assert plain, f"{how}: the ignored head's weight is not a plain Parameter"
+            assert list(sd) == list(ref), how
+            for key in ref:
+                assert torch.equal(sd[key], ref[key]), f"rank {rank}, {how}: {key}"
+    assert not torch.equal(results[0]["pydist:fsdp2"][1]["head.weight"], results[1]["pydist:fsdp2"][1]["head.weight"])
