@@ -50,26 +50,27 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     Call it on submodules first, then on the root.
 
     torch's ``MixedPrecisionPolicy()`` and ``OffloadPolicy()`` are accepted
-    (``MixedPrecisionPolicy``: see [Note: mixed precision]); CPU offload,
-    ``shard_placement_fn``, an int ``reshard_after_forward`` and meshes of
-    more than two dimensions raise ``NotImplementedError`` naming them.
-    ``ignored_params`` (a set of parameters) are left as torch's are: not
-    sharded, their gradients not reduced, plain tensors in state dicts. ``shm``
-    (pydist's own) picks the transport: see ``open_transport``. torch's
+    (``MixedPrecisionPolicy``: see [Note: mixed precision]), and
+    ``CPUOffloadPolicy(pin_memory=False)`` for a unit on the CPU (what it
+    asks for is so already); offload from a device, ``shard_placement_fn``,
+    an int ``reshard_after_forward`` and meshes of more than two dimensions
+    raise ``NotImplementedError`` naming them. ``ignored_params`` (a set of
+    parameters) are left as torch's are: not sharded, their gradients not
+    reduced, plain tensors in state dicts. ``shm`` (pydist's own) picks the transport: see ``open_transport``. torch's
     ``clip_grad_norm_`` clips the sharded gradients by their global norm
     (see [Note: the global norm of sharded gradients])."""
     MixedPrecisionPolicy, OffloadPolicy = _torch_policies()
     _refuse(shard_placement_fn is not None, "shard_placement_fn")
     _refuse(not isinstance(reshard_after_forward, bool), f"reshard_after_forward={reshard_after_forward!r} (an int)")
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        _refuse(True, f"offload_policy={offload_policy!r} (only OffloadPolicy() so far)")
     if state_of(module) is not None:
         raise RuntimeError(f"pydist.fully_shard: {type(module).__name__} is already fully_shard'ed")
     from pydist.overlap import hooks as overlap_hooks
 
     overlap_hooks.sharded_made()  # [overlap hook] a PYDIST_SIM_NET it cannot read is refused here, as DDP does
     named = _managed_params(module, _ignored_ids(ignored_params))
+    _refuse(not _offload_is_a_no_op(offload_policy, OffloadPolicy, mesh, named),
+            f"offload_policy={offload_policy!r} (CPUOffloadPolicy only for parameters on the CPU, without pin_memory)")
     if _process_group is not None:
         group, replicate_group = _process_group, _replicate_group
     else:
@@ -195,6 +196,25 @@ def _groups_of(mesh) -> tuple:
         return mesh.get_group(), None
     _refuse(mesh.ndim != 2, f"a {mesh.ndim}-D mesh")
     return mesh.get_group(1), mesh.get_group(0)
+
+
+def _offload_is_a_no_op(policy, OffloadPolicy, mesh, named) -> bool:
+    """Whether ``policy`` asks for nothing pydist would have to do: none, or
+    torch's ``OffloadPolicy()``, or ``CPUOffloadPolicy(pin_memory=False)``
+    for a unit on the CPU (a CPU mesh, no parameter elsewhere), whose shards,
+    gradients and optimizer step are on the CPU already: torch's FSDP2 runs
+    such a unit as without the policy. Offloading from a device is not
+    implemented yet."""
+    if policy is None or type(policy) is OffloadPolicy:
+        return True
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if type(policy) is not CPUOffloadPolicy or policy.pin_memory:
+        return False
+    types = {p.device.type for _, p, _ in named}
+    if mesh is not None:
+        return mesh.device_type == "cpu" and types <= {"cpu", "meta"}
+    return types - {"meta"} == {"cpu"} or (types <= {"meta"} and not torch.cuda.is_available())  # as _default_mesh
 
 
 def _ignored_ids(ignored_params) -> set[int]:

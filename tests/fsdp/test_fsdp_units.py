@@ -1,6 +1,7 @@
 """The pieces of pydist's FSDP on their own: the unit's flat layout (in one
 process), the collectives on both transports with integer-valued floats
-(exact answers), the keywords not implemented, and the module methods."""
+(exact answers), the keywords not implemented (and CPUOffloadPolicy where
+it asks for nothing), and the module methods."""
 
 import pytest
 import torch
@@ -68,8 +69,8 @@ def test_unimplemented_keywords_name_themselves():
     m = nn.Linear(2, 2)
     with pytest.raises(NotImplementedError, match="mixed precision with NO_SHARD"):
         FSDPParamGroup(_named(m), 0, 2, sharded=False, reshard_after_forward=False, label="m", param_dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="offload_policy"):
-        fully_shard(m, offload_policy=CPUOffloadPolicy())
+    with pytest.raises(NotImplementedError, match="pin_memory"):
+        fully_shard(m, offload_policy=CPUOffloadPolicy())  # (pin_memory=True: torch pins the CPU shards)
     with pytest.raises(NotImplementedError, match="shard_placement_fn"):
         fully_shard(m, shard_placement_fn=lambda p: None)
     with pytest.raises(NotImplementedError, match="reshard_after_forward"):
@@ -97,6 +98,37 @@ def test_modules_are_marked_fsdp_managed_as_torchs():
     for marked in run_ranks(_marked_rank, 2, timeout=50):
         assert marked["pydist"] == marked["torch"], marked
         assert all(v == (True, True) for v in marked["torch"].values())
+
+
+def _offload_rank(rank, world_size):
+    """torch's CPUOffloadPolicy(pin_memory=False) on a unit on the CPU, where
+    torch's FSDP2 runs as without it: the parameters after 3 Adam steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out = {}
+    for impl, shard in (("torch", torch_fully_shard), ("pydist", fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        kwargs = {"mesh": init_device_mesh("cpu", (world_size,))} if impl == "torch" else {}
+        shard(model[0], offload_policy=CPUOffloadPolicy(pin_memory=False), **kwargs)
+        shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False), **kwargs)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(rank * 10 + step)
+            model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out[impl] = [p.full_tensor() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_cpu_offload_policy_on_the_cpu_as_torchs():
+    for out in run_ranks(_offload_rank, 2, timeout=50):
+        for mine, theirs in zip(out["pydist"], out["torch"]):
+            assert torch.equal(mine, theirs)
 
 
 def _collectives_rank(rank, world_size, shm):
