@@ -49,6 +49,16 @@ from ddp_models import IN_FEATURES, OUT_FEATURES, build_model
 IMPLS = ("torch", "pydist")
 
 
+def outcome(fn) -> tuple[str, str]:
+    """("ok", "") or (exception type name, message): what ``fn()`` did, to
+    compare with what the same call does under torch."""
+    try:
+        fn()
+        return ("ok", "")
+    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
+        return (type(e).__name__, str(e))
+
+
 def ddp_class(impl: str):
     """The wrapper class under the name ``impl``: the reference or the one under test."""
     if impl == "torch":

@@ -22,18 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_harness import ddp_class, pack, unpack
+from ddp_harness import ddp_class, outcome, pack, unpack
 from ddp_models import IN_FEATURES, OUT_FEATURES, MLP
 from pydist.spawn import run_ranks
 
-
-def _outcome(fn):
-    """("ok", "") or (exception type name, message)."""
-    try:
-        fn()
-        return ("ok", "")
-    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
-        return (type(e).__name__, str(e))
 
 
 def _meta_mlp():
@@ -71,7 +63,7 @@ def _deferred_init(rank, world_size):
     out = {}
     for impl in ("torch", "pydist"):
         dist.barrier()
-        out[f"{impl}:meta"] = _outcome(lambda: ddp_class(impl)(_meta_mlp()))
+        out[f"{impl}:meta"] = outcome(lambda: ddp_class(impl)(_meta_mlp()))
         dist.barrier()
         # the way that works: materialize, initialize (seeds differ per rank:
         # construction broadcasts rank 0's), then wrap
@@ -82,7 +74,7 @@ def _deferred_init(rank, world_size):
     torch.manual_seed(0)
     ddp = ddp_class("pydist")(MLP())
     _replace_params(ddp.module)
-    out["pydist:replaced_after_wrap"] = _outcome(lambda: _train(ddp, rank))
+    out["pydist:replaced_after_wrap"] = outcome(lambda: _train(ddp, rank))
     # the same, with the check disabled: what a user would have got
     torch.manual_seed(0)
     ddp = ddp_class("pydist")(MLP())
@@ -93,7 +85,7 @@ def _deferred_init(rank, world_size):
     torch.manual_seed(0)
     ddp = ddp_class("pydist")(MLP())
     ddp.module.double()
-    out["pydist:double_after_wrap"] = _outcome(
+    out["pydist:double_after_wrap"] = outcome(
         lambda: ddp(torch.randn(4, IN_FEATURES, dtype=torch.float64)).sum().backward()
     )
     return pack(out)
@@ -156,7 +148,7 @@ def _unsupported(rank, world_size):
         for impl in ("torch", "pydist"):
             dist.barrier()
             torch.manual_seed(0)
-            out[f"{impl}:{kind}"] = _outcome(lambda: ddp_class(impl)(cls()))
+            out[f"{impl}:{kind}"] = outcome(lambda: ddp_class(impl)(cls()))
     return out
 
 

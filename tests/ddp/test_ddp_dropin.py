@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_harness import ddp_class, pack, unpack
+from ddp_harness import ddp_class, outcome, pack, unpack
 from ddp_models import IN_FEATURES, MLP, build_model
 from pydist.spawn import run_ranks
 
@@ -397,14 +397,6 @@ def test_torch_compile_matches_eager_without_recompiles():
         assert ours["graph_breaks"] <= theirs["graph_breaks"], (ours["graph_breaks"], theirs["graph_breaks"])
 
 
-def _outcome(fn):
-    """("ok", "") or (exception type name, message)."""
-    try:
-        fn()
-        return ("ok", "")
-    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
-        return (type(e).__name__, str(e))
-
 
 def _device_mesh(rank, world_size):
     """torch DDP's ``device_mesh=``: a 1-D mesh's group, against torch DDP
@@ -421,12 +413,12 @@ def _device_mesh(rank, world_size):
         _steps(ddp, rank, 0, 3)
         out[impl] = (_state(ddp.module), ddp.device_mesh is mesh, ddp.process_group is mesh.get_group())
     torch.manual_seed(0)
-    out["both"] = _outcome(lambda: ddp_class("pydist")(MLP(), process_group=dist.group.WORLD, device_mesh=mesh))
+    out["both"] = outcome(lambda: ddp_class("pydist")(MLP(), process_group=dist.group.WORLD, device_mesh=mesh))
     mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("tp", "dp"))
     for impl in ("torch", "pydist"):
         torch.manual_seed(0)
-        out[f"{impl}:2d"] = _outcome(lambda: ddp_class(impl)(MLP(), device_mesh=mesh_2d))
-    out["sliced"] = _outcome(lambda: ddp_class("pydist")(MLP(), device_mesh=mesh_2d["dp"]))
+        out[f"{impl}:2d"] = outcome(lambda: ddp_class(impl)(MLP(), device_mesh=mesh_2d))
+    out["sliced"] = outcome(lambda: ddp_class("pydist")(MLP(), device_mesh=mesh_2d["dp"]))
     return out
 
 
