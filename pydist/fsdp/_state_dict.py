@@ -659,7 +659,8 @@ def _check_nothing_sharded_left(sd: dict, units) -> None:
     shards = {pg.shard.untyped_storage().data_ptr() for pg in units if pg.sharded and pg.shard.numel()}
     left = [key for key, value in sd.items()
             if isinstance(value, (ShardedTensor, DTensor)) or (
-                isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().data_ptr() in shards)]
+                isinstance(value, torch.Tensor) and value.layout is torch.strided and value.numel()
+                and value.untyped_storage().data_ptr() in shards)]
     if left:
         raise RuntimeError(
             f"pydist full_state_dict: {left[:5]} still hold this rank's shard, not the full tensor: their keys are not "

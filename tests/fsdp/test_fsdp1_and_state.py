@@ -581,12 +581,27 @@ def _activation_checkpointing_rank(rank, world_size, ckpt_dir):
             model.load_state_dict(sd["model"])
             opt.load_state_dict(fsdp.optim_state_dict_to_load(model, opt, sd["optim"]))
         out[order]["resumed_sharded"] = train(model, opt, 2, 2)
+
+    def rename(module, state_dict, prefix, _):  # a state-dict hook pydist cannot follow
+        for key in [k for k in state_dict if k.startswith(prefix + "a.")]:
+            state_dict[key.replace(prefix + "a.", prefix + "renamed.")] = state_dict.pop(key)
+
+    model, _ = build("pydist", "neither")
+    model.blocks[0]._register_state_dict_hook(rename)
+    try:
+        model.state_dict()
+        out["renamed"] = "returned"
+    except RuntimeError as e:
+        out["renamed"] = str(e)
     return out
 
 
 @pytest.mark.timeout(150)
 def test_fsdp1_checkpoints_under_activation_checkpointing(tmp_path):
     for rank, out in enumerate(run_ranks(_activation_checkpointing_rank, 2, args=(str(tmp_path),), timeout=140)):
+        # A full state dict that would hold shards is refused, naming the key.
+        refusal = out.pop("renamed")
+        assert "blocks.0.renamed.weight" in refusal and "still hold this rank's shard" in refusal, refusal
         for order, got in out.items():
             where = f"rank {rank}, checkpoint_wrapper applied {order} wrapping"
             ref, full = got["torch_sd"], got["full"]
