@@ -56,9 +56,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     an int ``reshard_after_forward`` and meshes of more than two dimensions
     raise ``NotImplementedError`` naming them. ``ignored_params`` (a set of
     parameters) are left as torch's are: not sharded, their gradients not
-    reduced, plain tensors in state dicts. ``shm`` (pydist's own) picks the transport: see ``open_transport``. torch's
-    ``clip_grad_norm_`` clips the sharded gradients by their global norm
-    (see [Note: the global norm of sharded gradients])."""
+    reduced, plain tensors in state dicts. ``shm`` (pydist's own) picks the
+    transport: see ``open_transport``. torch's ``clip_grad_norm_`` clips the
+    sharded gradients by their global norm (see [Note: the global norm of
+    sharded gradients])."""
     MixedPrecisionPolicy, OffloadPolicy = _torch_policies()
     _refuse(shard_placement_fn is not None, "shard_placement_fn")
     _refuse(not isinstance(reshard_after_forward, bool), f"reshard_after_forward={reshard_after_forward!r} (an int)")
@@ -125,8 +126,7 @@ def _default_mesh(params: list):
     is one, as torch's)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    types = {p.device.type for p in params} - {"meta"}
-    kind = types.pop() if len(types) == 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = _default_device_type(params)
     if kind not in _fallback_meshes:
         try:
             return init_device_mesh(kind, (dist.get_world_size(),))
@@ -141,6 +141,13 @@ def _default_mesh(params: list):
 
             _fallback_meshes[kind] = DeviceMesh.from_group(dist.new_group(backend="gloo"), kind)
     return _fallback_meshes[kind]
+
+
+def _default_device_type(params: list) -> str:
+    """The device type of ``fully_shard(mesh=None)``'s mesh: the parameters'
+    one, or (a meta model, or several types) CUDA where there is one, as torch's."""
+    types = {p.device.type for p in params} - {"meta"}
+    return types.pop() if len(types) == 1 else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 _fallback_meshes: dict = {}  # per device type, made once, collectively, at the first fully_shard
@@ -211,10 +218,9 @@ def _offload_is_a_no_op(policy, OffloadPolicy, mesh, named) -> bool:
 
     if type(policy) is not CPUOffloadPolicy or policy.pin_memory:
         return False
-    types = {p.device.type for _, p, _ in named}
-    if mesh is not None:
-        return mesh.device_type == "cpu" and types <= {"cpu", "meta"}
-    return types - {"meta"} == {"cpu"} or (types <= {"meta"} and not torch.cuda.is_available())  # as _default_mesh
+    params = [p for _, p, _ in named]
+    kind = mesh.device_type if mesh is not None else _default_device_type(params)
+    return kind == "cpu" and all(p.device.type in ("cpu", "meta") for p in params)
 
 
 def _ignored_ids(ignored_params) -> set[int]:
