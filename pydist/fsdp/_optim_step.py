@@ -54,6 +54,39 @@ wrapper's fast branch; a subclass whose step calls torch's functional gets it
 on the same conditions, which are about the functional's arguments alone.
 tests/fsdp/test_fsdp_optim_step.py checks the result bitwise against torch's
 FSDP2 (which steps through DTensor dispatch) and that the fast branch ran.
+
+[Note: adjacent shards stepped as one tensor]
+On local shards the single-tensor path (torch's CPU default) still runs its
+ten-odd ops once per parameter, about 20 us of Python and dispatch each
+whatever the size: on a model of many small parameters (norms, biases) that
+is most of the step. A unit's local shards lie one after another in its shard
+buffer and their gradients in its reduce output, in the same order, so a run
+of adjacent shards can be stepped as one flat tensor, with the same result
+element for element, when:
+  * every op is element-wise and reads one element of each list and the
+    run's shared scalars (lr, betas, and the bias corrections of the step
+    count): all of them, with every ``state_steps`` value of the run equal;
+  * each element goes through the same kernel code in both: ATen's CPU
+    loops process whole blocks of two vectors and the tail element by
+    element, and the two can round differently (reduced-precision dtypes do:
+    measured, bf16 tails differ). A run only holds shards whose size is a
+    whole number of ``_RUN_BYTES`` (two 64-byte vectors, the widest CPU
+    capability ATen builds for x86 and the SVE256 one), so no element of it
+    falls in a tail, run or not; other capabilities get no runs;
+  * a run is at most ``_RUN_MAX`` elements, ATen's grain size: intra-op
+    threads split longer tensors at places that would make tails;
+  * the path is the single-tensor one on the CPU (not foreach, not fused,
+    not capturable).
+The optimizer's state tensors are made one per parameter (``zeros_like``);
+the first step that finds a run of shards moves the state of each run into
+one buffer laid out like the shards (copied, then ``set_`` onto it: the
+state's objects, DTensors and local tensors, stay the same and keep their
+values). The plan (the runs, their flat views) is cached on the state and
+checked by identity each step; gradients are new each step, so their
+adjacency is checked each step and any break sends the call down the
+per-parameter path. The other ``state_steps`` of a run are counted up after
+the step, as the per-parameter path counts each. tests/fsdp/test_fsdp_optim_step.py
+checks it bitwise against torch's FSDP2 and that runs were stepped.
 """
 
 from __future__ import annotations
@@ -66,11 +99,13 @@ import operator
 
 import torch
 
-__all__ = ["install_local_shard_step", "LOCAL_SHARD_STEPS"]
+__all__ = ["install_local_shard_step", "LOCAL_SHARD_STEPS", "LOCAL_SHARD_RUNS"]
 
-# Calls of each functional that ran on local shards, by name ("adam", "sgd").
-# For tests and benchmarks that need to know the fast branch ran.
+# Calls of each functional that ran on local shards, by name ("adam", "sgd"),
+# and runs of adjacent shards stepped as one tensor in them. For tests and
+# benchmarks that need to know the fast branches ran.
 LOCAL_SHARD_STEPS: collections.Counter = collections.Counter()
+LOCAL_SHARD_RUNS: collections.Counter = collections.Counter()
 
 
 class _Functional:
@@ -125,7 +160,14 @@ def _on_local_shards(original, f: _Functional):
         if local is None:
             return original(*args, **kwargs)
         LOCAL_SHARD_STEPS[f.name] += 1
-        return original(**local)
+        runs = _in_runs(local, f)
+        if runs is None:
+            return original(**local)
+        arguments, counted_after = runs
+        result = original(**arguments)
+        if counted_after:
+            torch._foreach_add_(counted_after, 1)
+        return result
 
     step_on_local_shards.__name__ = original.__name__
     step_on_local_shards.__qualname__ = original.__qualname__
@@ -226,3 +268,182 @@ def _remember(cache: dict, key, value) -> None:
     if len(cache) > 65536:
         cache.clear()
     cache[key] = value
+
+
+# See [Note: adjacent shards stepped as one tensor].
+_RUN_BYTES = 128
+_RUN_MAX = 32768  # at::internal::GRAIN_SIZE
+_RUN_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512", "SVE256")
+
+
+class _Runs:
+    """A group's runs of adjacent shards: ``spans`` (start, end) over the
+    parameter lists (each end - start >= 2), the lists with each run as one
+    flat tensor for the parameters and each state list, and what the
+    step's own lists are checked against (ids of the tensors planned for,
+    all held but the one the plan hangs on)."""
+
+    __slots__ = ("ids", "held", "spans", "flat", "offsets")
+
+    def __init__(self, ids, held, spans, flat, offsets):
+        self.ids, self.held, self.spans, self.flat, self.offsets = ids, held, spans, flat, offsets
+
+
+# Plans by the first state tensor of their group: they go with the state.
+_PLANS = None
+
+
+def _plans():
+    global _PLANS
+    if _PLANS is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _PLANS = WeakIdKeyDictionary()
+    return _PLANS
+
+
+def _in_runs(local: dict, f: _Functional):
+    """``local`` with each run of adjacent shards as one tensor in every
+    per-parameter list, and the step counts to count up after the call; None
+    where no run applies (see [Note: adjacent shards stepped as one
+    tensor])."""
+    if f.name == "adam" and (local.get("capturable") or local.get("differentiable")):
+        return None
+    if local.get("fused") or local.get("foreach"):
+        return None  # (foreach None: torch's default, the single-tensor path on the CPU; checked below)
+    params = local["params"]
+    if params[0].device.type != "cpu" or torch.backends.cpu.get_cpu_capability() not in _RUN_CAPABILITIES:
+        return None
+    grad_name, state_names = f.per_param[1], [name for name in f.per_param[2:] if local[name]]
+    if not state_names:
+        return None
+    plans = _plans()
+    key = local[state_names[0]][0]
+    planned = [params] + [local[name] for name in state_names]
+    ids = list(map(id, itertools.chain.from_iterable(planned)))
+    plan = plans.get(key)
+    if plan is None or plan.ids != ids:
+        plan = _plan(params, [local[name] for name in state_names], key)
+        plans[key] = plan
+    if not plan.spans:
+        return None
+    steps = local.get("state_steps")
+    if steps is not None and not bool(torch.stack(steps).eq(steps[0]).all()):
+        return None
+    grads = _flat_grads(local[grad_name], plan)
+    if grads is None:
+        return None
+    arguments = dict(local)
+    for name, flat in zip(["params"] + state_names, plan.flat):
+        arguments[name] = [key if t is None else t for t in flat] if name == state_names[0] else flat
+    arguments[grad_name] = grads
+    counted_after = []
+    if steps is not None:
+        heads, start = [], 0
+        for s, e in plan.spans:
+            heads += steps[start:s + 1]
+            counted_after += steps[s + 1:e]
+            start = e
+        arguments["state_steps"] = heads + steps[start:]
+    LOCAL_SHARD_RUNS[f.name] += len(plan.spans)
+    return arguments, counted_after
+
+
+def _fits(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and (t.numel() * t.element_size()) % _RUN_BYTES == 0
+
+
+def _plan(params: list, states: list, key: torch.Tensor) -> _Runs:
+    """The runs of ``params`` (local shards) and the states moved to lie
+    like them: see [Note: adjacent shards stepped as one tensor]."""
+    n = len(params)
+    fits = [_fits(p) and all(s[i].dtype == p.dtype and s[i].shape == p.shape and s[i].is_contiguous()
+                             for s in states) for i, p in enumerate(params)]
+    ptrs = [p.data_ptr() for p in params]
+    spans, i = [], 0
+    while i < n:
+        end, size = i + 1, params[i].numel()
+        while (fits[i] and end < n and fits[end] and params[end].dtype == params[i].dtype
+               and ptrs[end] == ptrs[end - 1] + params[end - 1].numel() * params[end - 1].element_size()
+               and size + params[end].numel() < _RUN_MAX):
+            size += params[end].numel()
+            end += 1
+        if end - i >= 2 and size and _one_buffer(params[i:end], size):
+            spans.append((i, end))
+        i = end
+    offsets = {}
+    for s, e in spans:
+        numels = [p.numel() for p in params[s:e]]
+        offsets[s] = [sum(numels[:k]) * params[s].element_size() for k in range(len(numels))]
+        for state in states:
+            _gather_state(state[s:e], numels, sum(numels))
+    # The lists with the runs made flat; the tensor the plan hangs on left
+    # out (None), put back each step (a plan holding it would never go).
+    flat = [[None if t is key else t for t in _with_runs(tensors, spans)] for tensors in [params] + states]
+    everything = [t for tensors in [params] + states for t in tensors]
+    held = [t for t in everything if t is not key]
+    return _Runs([id(t) for t in everything], held, spans, flat, offsets)
+
+
+def _one_buffer(tensors: list, total: int) -> bool:
+    """Whether ``tensors``, adjacent in memory, are ``total`` elements of the
+    first one's storage (which ``_flat`` needs: ``set_`` would grow a
+    storage too small rather than refuse)."""
+    first, last = tensors[0], tensors[-1]
+    storage = first.untyped_storage()
+    return (last.untyped_storage().data_ptr() == storage.data_ptr()
+            and (first.storage_offset() + total) * first.element_size() <= storage.nbytes())
+
+
+def _gather_state(tensors: list, numels: list, total: int) -> None:
+    """Moves a run's state tensors into one buffer, in order, unless they
+    lie so already; each keeps its object and values (``set_``)."""
+    first = tensors[0]
+    size = first.element_size()
+    if (all(t.data_ptr() == first.data_ptr() + sum(numels[:k]) * size for k, t in enumerate(tensors))
+            and _one_buffer(tensors, total)):
+        return
+    buffer = torch.empty(total, dtype=first.dtype)
+    offset = 0
+    for t, numel in zip(tensors, numels):
+        buffer[offset:offset + numel].copy_(t.reshape(-1))
+        with torch.no_grad():
+            t.set_(buffer.untyped_storage(), offset, t.shape, t.stride())
+        offset += numel
+
+
+def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """A 1-D tensor over ``numel`` elements of ``first``'s storage from
+    ``first`` on (bounds checked against the storage), not a view of
+    ``first`` (the plan must not hold the tensor it hangs on)."""
+    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (numel,))
+
+
+def _with_runs(tensors: list, spans: list) -> list:
+    out, start = [], 0
+    for s, e in spans:
+        out += tensors[start:s]
+        out.append(_flat(tensors[s], sum(t.numel() for t in tensors[s:e])))
+        start = e
+    return out + tensors[start:]
+
+
+def _flat_grads(grads: list, plan: _Runs):
+    """The step's gradients with each run as one tensor, or None where a
+    run's gradients do not lie like its shards."""
+    if not all(map(torch.Tensor.is_contiguous, grads)):
+        return None
+    out, start = [], 0
+    params = plan.flat[0]
+    for s, e in plan.spans:
+        out += grads[start:s]
+        flat_param = params[len(out)]
+        head = grads[s].data_ptr()
+        if [g.data_ptr() - head for g in grads[s:e]] != plan.offsets[s] or grads[s].dtype != flat_param.dtype:
+            return None
+        try:  # as_strided checks the storage's bounds
+            out.append(grads[s].as_strided((flat_param.numel(),), (1,)))
+        except RuntimeError:  # beyond its storage: not one buffer
+            return None
+        start = e
+    return out + grads[start:]

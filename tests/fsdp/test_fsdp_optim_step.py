@@ -44,14 +44,50 @@ def _model():
     return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
 
 
-def _train(fully_shard, rank: int, config) -> dict:
+def _units(model):
+    return (model[0], model[2], model[4])
+
+
+class _Bf16Block(nn.Module):
+    """bf16 parameters, float in and out."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.lin2 = nn.Linear(63, 128), nn.LayerNorm(128), nn.Linear(128, 254)
+        self.lin3 = nn.Linear(254, 64)
+        self.to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.lin3(self.lin2(self.norm(self.lin(x.bfloat16())))).float()
+
+
+def _run_model():
+    """Units whose local shards (2 ranks) form runs stepped as one tensor,
+    and shards that must stay out of them (see [Note: adjacent shards
+    stepped as one tensor]): in shard bytes, unit 0 768, 128, 128, 128 (one
+    run); unit 1 8192, 128 on rank 0 (a run), 7936, 124 on rank 1 (none);
+    unit 2 in bf16 8064, 128, 128, 128, 32512 (a run), then 254, 16256, 64:
+    a shard of 127 bf16 elements ends in a tail that ATen's loops compute
+    element by element, and that a run would vectorize (some elements round
+    differently, under SGD's ``add(alpha=)``: the test fails with
+    ``_RUN_BYTES`` at 2); the root 256 and 4 (rank 0), 0 and 0 (rank 1:
+    nothing to step)."""
+    return nn.Sequential(nn.Sequential(nn.Linear(6, 64), nn.LayerNorm(64)),
+                         nn.Sequential(nn.Linear(64, 63), nn.Tanh()), _Bf16Block(), nn.Linear(64, 1))
+
+
+def _run_units(model):
+    return (model[0], model[1], model[2])
+
+
+def _train(fully_shard, rank: int, config, build=_model, units=_units) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
     name, cls, kwargs = config
     torch.manual_seed(0)
-    model = _model()
-    for layer in (model[0], model[2], model[4]):
+    model = build()
+    for layer in units(model):
         fully_shard(layer)
     fully_shard(model)
     g = torch.Generator().manual_seed(7 + rank)
@@ -117,6 +153,24 @@ def _rank(rank, world_size):
     return {"through_dtensors": through_dtensors, "local_steps": local_steps, "mismatches": mismatches,
             "mixed_local_steps": _mixed_groups(torch_fully_shard, pydist.fully_shard),
             "after_error": _failing_step(pydist.fully_shard)}
+
+
+def _runs_rank(rank, world_size):
+    """Each configuration on ``_run_model``, torch's FSDP2 and pydist's:
+    the mismatches, and the runs pydist stepped as one tensor."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import pydist
+    from pydist.fsdp._optim_step import LOCAL_SHARD_RUNS
+
+    mismatches, runs = [], {}
+    for config in CONFIGS:
+        ref = _train(torch_fully_shard, rank, config, _run_model, _run_units)
+        before = sum(LOCAL_SHARD_RUNS.values())
+        got = _train(pydist.fully_shard, rank, config, _run_model, _run_units)
+        runs[config[0]] = sum(LOCAL_SHARD_RUNS.values()) - before
+        bitwise_mismatches(ref, got, config[0], mismatches)
+    return {"mismatches": mismatches, "runs": runs}
 
 
 def _failing_step(fully_shard) -> str:
@@ -189,3 +243,21 @@ def test_optimizer_step_on_local_shards_is_torch_fsdp2s_bitwise():
         assert r["local_steps"] == expected, f"rank {rank}"
         assert r["mixed_local_steps"] == [0, 0], f"rank {rank}"
         assert r["after_error"] == "", f"rank {rank}: {r['after_error']} changed by a step that raised"
+
+
+@pytest.mark.timeout(150)
+def test_adjacent_shards_stepped_as_one_tensor_are_torch_fsdp2s_bitwise():
+    """See [Note: adjacent shards stepped as one tensor]: on the
+    single-tensor path each step of the three phases (fresh, after
+    ``load_state_dict``, after ``set_optimizer_state_dict``) steps every
+    unit's run (3 on rank 0, 2 on rank 1) as one tensor, with torch FSDP2's
+    result bitwise; the foreach and fused paths take no runs."""
+    for rank, r in enumerate(run_ranks(_runs_rank, 2, timeout=120)):
+        assert not r["mismatches"], f"rank {rank}: " + "; ".join(r["mismatches"][:8])
+        per_step = 3 if rank == 0 else 2
+        for name, cls, kwargs in CONFIGS:
+            # The steps on local shards but set_optimizer_state_dict's, whose
+            # zero gradients torch makes one by one (not adjacent).
+            steps = 3 * STEPS - 1 if cls == "SGD" else 3 * STEPS
+            expected = 0 if kwargs.get("foreach") or kwargs.get("fused") else steps * per_step
+            assert r["runs"][name] == expected, f"rank {rank}: {name} stepped {r['runs']} runs"
