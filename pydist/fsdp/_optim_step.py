@@ -69,10 +69,11 @@ element for element, when:
   * each element goes through the same kernel code in both: ATen's CPU
     loops process whole blocks of two vectors and the tail element by
     element, and the two can round differently (reduced-precision dtypes do:
-    measured, bf16 tails differ). A run only holds shards whose size is a
+    measured, bf16 tails differ). Every shard of a run but its last is a
     whole number of ``_RUN_BYTES`` (two 64-byte vectors, the widest CPU
-    capability ATen builds for x86 and the SVE256 one), so no element of it
-    falls in a tail, run or not; other capabilities get no runs;
+    capability ATen builds for x86 and the SVE256 one), so the run's tail is
+    its last shard's tail and every other element is in a block, run or not;
+    other capabilities get no runs;
   * a run is at most ``_RUN_MAX`` elements, ATen's grain size: intra-op
     threads split longer tensors at places that would make tails;
   * the path is the single-tensor one on the CPU (not foreach, not fused,
@@ -349,21 +350,19 @@ def _in_runs(local: dict, f: _Functional):
     return arguments, counted_after
 
 
-def _fits(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and (t.numel() * t.element_size()) % _RUN_BYTES == 0
-
-
 def _plan(params: list, states: list, key: torch.Tensor) -> _Runs:
     """The runs of ``params`` (local shards) and the states moved to lie
     like them: see [Note: adjacent shards stepped as one tensor]."""
     n = len(params)
-    fits = [_fits(p) and all(s[i].dtype == p.dtype and s[i].shape == p.shape and s[i].is_contiguous()
-                             for s in states) for i, p in enumerate(params)]
+    # A shard can be in a run; a whole one (of whole blocks) can be followed in it.
+    fits = [p.is_contiguous() and all(s[i].dtype == p.dtype and s[i].shape == p.shape and s[i].is_contiguous()
+                                      for s in states) for i, p in enumerate(params)]
+    whole = [f and (p.numel() * p.element_size()) % _RUN_BYTES == 0 for f, p in zip(fits, params)]
     ptrs = [p.data_ptr() for p in params]
     spans, i = [], 0
     while i < n:
         end, size = i + 1, params[i].numel()
-        while (fits[i] and end < n and fits[end] and params[end].dtype == params[i].dtype
+        while (whole[end - 1] and end < n and fits[end] and params[end].dtype == params[i].dtype
                and ptrs[end] == ptrs[end - 1] + params[end - 1].numel() * params[end - 1].element_size()
                and size + params[end].numel() < _RUN_MAX):
             size += params[end].numel()
