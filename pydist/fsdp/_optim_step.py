@@ -83,11 +83,12 @@ the first step that finds a run of shards moves the state of each run into
 one buffer laid out like the shards (copied, then ``set_`` onto it: the
 state's objects, DTensors and local tensors, stay the same and keep their
 values). The plan (the runs, their flat views) is cached on the state and
-checked by identity each step; gradients are new each step, so their
-adjacency is checked each step and any break sends the call down the
-per-parameter path. The other ``state_steps`` of a run are counted up after
-the step, as the per-parameter path counts each. tests/fsdp/test_fsdp_optim_step.py
-checks it bitwise against torch's FSDP2 and that runs were stepped.
+checked each step: the same tensor objects, their data where it was.
+Gradients are new each step, so their adjacency is checked each step and
+any break sends the call down the per-parameter path. The other
+``state_steps`` of a run are counted up after the step, as the
+per-parameter path counts each. tests/fsdp/test_fsdp_optim_step.py checks
+it bitwise against torch's FSDP2 and that runs were stepped.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ _PARAM_SPECS: dict = {}
 _EQUAL_LAYOUTS: dict = {}
 _SPEC = operator.attrgetter("_spec")
 _LOCAL = operator.attrgetter("_local_tensor")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def install_local_shard_step() -> None:
@@ -282,12 +286,15 @@ class _Runs:
     parameter lists (each end - start >= 2), the lists with each run as one
     flat tensor for the parameters and each state list, and what the
     step's own lists are checked against (ids of the tensors planned for,
-    all held but the one the plan hangs on)."""
+    all held but the one the plan hangs on, and where their data was)."""
 
-    __slots__ = ("ids", "held", "spans", "flat", "offsets")
+    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "offsets", "shapes", "dtypes")
 
-    def __init__(self, ids, held, spans, flat, offsets):
-        self.ids, self.held, self.spans, self.flat, self.offsets = ids, held, spans, flat, offsets
+    def __init__(self, everything, held, spans, flat, offsets, params):
+        self.ids, self.ptrs = list(map(id, everything)), list(map(_DATA_PTR, everything))
+        self.held, self.spans, self.flat, self.offsets = held, spans, flat, offsets
+        # What each gradient must be, as its shard.
+        self.shapes, self.dtypes = list(map(_SHAPE, params)), list(map(_DTYPE, params))
 
 
 # Plans by the first state tensor of their group: they go with the state.
@@ -320,10 +327,10 @@ def _in_runs(local: dict, f: _Functional):
         return None
     plans = _plans()
     key = local[state_names[0]][0]
-    planned = [params] + [local[name] for name in state_names]
-    ids = list(map(id, itertools.chain.from_iterable(planned)))
+    planned = list(itertools.chain(params, *(local[name] for name in state_names)))
     plan = plans.get(key)
-    if plan is None or plan.ids != ids:
+    # The same tensors where they were (a tensor re-pointed with set_ keeps its id).
+    if plan is None or plan.ids != list(map(id, planned)) or plan.ptrs != list(map(_DATA_PTR, planned)):
         plan = _plan(params, [local[name] for name in state_names], key)
         plans[key] = plan
     if not plan.spans:
@@ -381,7 +388,7 @@ def _plan(params: list, states: list, key: torch.Tensor) -> _Runs:
     flat = [[None if t is key else t for t in _with_runs(tensors, spans)] for tensors in [params] + states]
     everything = [t for tensors in [params] + states for t in tensors]
     held = [t for t in everything if t is not key]
-    return _Runs([id(t) for t in everything], held, spans, flat, offsets)
+    return _Runs(everything, held, spans, flat, offsets, params)
 
 
 def _one_buffer(tensors: list, total: int) -> bool:
@@ -402,7 +409,7 @@ def _gather_state(tensors: list, numels: list, total: int) -> None:
     if (all(t.data_ptr() == first.data_ptr() + sum(numels[:k]) * size for k, t in enumerate(tensors))
             and _one_buffer(tensors, total)):
         return
-    buffer = torch.empty(total, dtype=first.dtype)
+    buffer = torch.empty(total, dtype=first.dtype, device=first.device)
     offset = 0
     for t, numel in zip(tensors, numels):
         buffer[offset:offset + numel].copy_(t.reshape(-1))
@@ -415,7 +422,8 @@ def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
     """A 1-D tensor over ``numel`` elements of ``first``'s storage from
     ``first`` on (bounds checked against the storage), not a view of
     ``first`` (the plan must not hold the tensor it hangs on)."""
-    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (numel,))
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (numel,))
 
 
 def _with_runs(tensors: list, spans: list) -> list:
@@ -430,7 +438,8 @@ def _with_runs(tensors: list, spans: list) -> list:
 def _flat_grads(grads: list, plan: _Runs):
     """The step's gradients with each run as one tensor, or None where a
     run's gradients do not lie like its shards."""
-    if not all(map(torch.Tensor.is_contiguous, grads)):
+    if (not all(map(torch.Tensor.is_contiguous, grads)) or list(map(_SHAPE, grads)) != plan.shapes
+            or list(map(_DTYPE, grads)) != plan.dtypes):
         return None
     out, start = [], 0
     params = plan.flat[0]
@@ -438,7 +447,7 @@ def _flat_grads(grads: list, plan: _Runs):
         out += grads[start:s]
         flat_param = params[len(out)]
         head = grads[s].data_ptr()
-        if [g.data_ptr() - head for g in grads[s:e]] != plan.offsets[s] or grads[s].dtype != flat_param.dtype:
+        if [g.data_ptr() - head for g in grads[s:e]] != plan.offsets[s]:
             return None
         try:  # as_strided checks the storage's bounds
             out.append(grads[s].as_strided((flat_param.numel(),), (1,)))

@@ -171,7 +171,25 @@ def _runs_rank(rank, world_size):
         got = _train(pydist.fully_shard, rank, config, _run_model, _run_units)
         runs[config[0]] = sum(LOCAL_SHARD_RUNS.values()) - before
         bitwise_mismatches(ref, got, config[0], mismatches)
-    return {"mismatches": mismatches, "runs": runs}
+    return {"mismatches": mismatches, "runs": runs, "repointed": _repointed_shard_steps(pydist.fully_shard)}
+
+
+def _repointed_shard_steps(fully_shard) -> bool:
+    """A shard in a run re-pointed with ``set_`` (the same tensor object, its
+    data elsewhere) after a step: the next step updates it where it is now."""
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(6, 64), nn.LayerNorm(64)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        if _ == 0:
+            local = model[0].weight._local_tensor
+            moved = local.clone()
+            with torch.no_grad():
+                local.set_(moved.untyped_storage(), 0, local.shape, local.stride())
+            before = moved.clone()
+    return not torch.equal(model[0].weight._local_tensor, before)
 
 
 def _failing_step(fully_shard) -> str:
@@ -255,6 +273,7 @@ def test_adjacent_shards_stepped_as_one_tensor_are_torch_fsdp2s_bitwise():
     result bitwise; the foreach and fused paths take no runs."""
     for rank, r in enumerate(run_ranks(_runs_rank, 2, timeout=120)):
         assert not r["mismatches"], f"rank {rank}: " + "; ".join(r["mismatches"][:8])
+        assert r["repointed"], f"rank {rank}: a shard re-pointed with set_ was not stepped where it is"
         per_step = 5 if rank == 0 else 3
         for name, cls, kwargs in CONFIGS:
             # The steps on local shards but set_optimizer_state_dict's, whose
