@@ -59,7 +59,17 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     reduced, plain tensors in state dicts. ``shm`` (pydist's own) picks the
     transport: see ``open_transport``. torch's ``clip_grad_norm_`` clips the
     sharded gradients by their global norm (see [Note: the global norm of
-    sharded gradients])."""
+    sharded gradients]).
+
+    ``module`` may be a list of modules, as torch's: see [Note: a list of
+    modules]."""
+    if isinstance(module, (list, tuple)):
+        for m in _list_of_units(module, _ignored_ids(ignored_params)):
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+                        ignored_params=ignored_params, shm=shm, _sharded=_sharded, _process_group=_process_group,
+                        _replicate_group=_replicate_group, _zeros_for_unused=_zeros_for_unused, _layout=_layout)
+        return module
     MixedPrecisionPolicy, OffloadPolicy = _torch_policies()
     _refuse(shard_placement_fn is not None, "shard_placement_fn")
     _refuse(not isinstance(reshard_after_forward, bool), f"reshard_after_forward={reshard_after_forward!r} (an int)")
@@ -231,6 +241,52 @@ def _ignored_ids(ignored_params) -> set[int]:
             raise TypeError(f"pydist.fully_shard: ignored_params holds a {type(p).__name__}, not a parameter")
         ids.add(id(p))
     return ids
+
+
+# [Note: a list of modules]
+# torch's fully_shard([a, b, ...]) makes the modules one group: one
+# all-gather and one reduce-scatter for their parameters together, unsharded
+# from the first one's forward to the end of the last one's. torchtitan and
+# the scripts that follow it group the final norm and the output layer so
+# (``fully_shard([model.norm, model.output], reshard_after_forward=False)``),
+# and accelerate's FSDP2 plugin likewise. pydist makes each module of the
+# list a unit of its own, with the same arguments: each parameter is
+# sharded, gathered and reduced element by element as in torch's group, so
+# training gives the same values bit for bit (tests/fsdp/test_fsdp2_contract.py
+# runs its script so); what differs is that each module gathers and reduces
+# on its own (one collective more per extra module) and that ``unshard()``,
+# ``reshard()`` and the ``set_*`` methods of one module act on its unit only.
+# What a group is needed for is refused, before anything is sharded: a
+# parameter two modules of the list share (tied weights, which torch's
+# group holds once) and modules nested in one another.
+def _list_of_units(modules, ignored: set[int]) -> list[nn.Module]:
+    """The modules of a list ``fully_shard`` was given, checked: see [Note:
+    a list of modules]."""
+    modules = list(modules)
+    where = f"pydist.fully_shard(a list of {len(modules)} modules)"
+    bad = [type(m).__name__ for m in modules if not isinstance(m, nn.Module)]
+    if not modules or bad:
+        raise ValueError(f"{where}: expects modules, got {bad or 'an empty list'}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError(f"{where}: a module appears twice in the list")
+    for i, outer in enumerate(modules):
+        for j, inner in enumerate(modules):
+            if i != j and any(m is inner for m in outer.modules()):
+                raise NotImplementedError(
+                    f"{where}: module {j} ({type(inner).__name__}) is inside module {i} ({type(outer).__name__}); "
+                    "pydist makes each module of a list a unit of its own (see [Note: a list of modules]): list "
+                    "modules that do not contain one another, or call fully_shard on the inner one first")
+    owners: dict[int, int] = {}
+    for i, m in enumerate(modules):
+        for fqn, p, _ in _managed_params(m, ignored):
+            j = owners.setdefault(id(p), i)
+            if j != i:
+                raise NotImplementedError(
+                    f"{where}: parameter {fqn} of module {i} ({type(m).__name__}) is also module {j}'s "
+                    f"({type(modules[j]).__name__}): a weight tied between modules of a list is not implemented "
+                    "yet (pydist makes each module of a list a unit of its own: see [Note: a list of modules]); "
+                    "call fully_shard on a module that holds every use of it (their lowest common ancestor)")
+    return modules
 
 
 def _managed_params(module: nn.Module, ignored: set[int]) -> list[tuple[str, nn.Parameter, list[ParamModuleInfo]]]:

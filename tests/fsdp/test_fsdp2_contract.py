@@ -2,8 +2,9 @@
 with only the import of ``fully_shard`` changed, bitwise torch's.
 
 The script (``_script``) is what an FSDP2 user writes: transformer blocks
-built on the meta device, ``fully_shard`` per block and on the root with a
-``MixedPrecisionPolicy``, ``to_empty`` and initialization through DTensors,
+built on the meta device, ``fully_shard`` per block, on the final norm and
+the output layer as one group (a list, as torchtitan groups them) and on the
+root with a ``MixedPrecisionPolicy``, ``to_empty`` and initialization through DTensors,
 explicit forward and backward prefetch, AdamW with ``clip_grad_norm_``
 every step, a DTensor-API checkpoint (``full_tensor``) and a DCP one, and a
 resume into a fresh meta model with ``set_model_state_dict(...,
@@ -50,13 +51,14 @@ class LM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList([Block() for _ in range(layers)])
+        self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(self.norm(x))
 
     def init_weights(self):
         """Through DTensor ops on the sharded parameters, as FSDP2 scripts do."""
@@ -72,6 +74,8 @@ def _build(fully_shard, mp, mesh):
         model = LM()
     for block in model.blocks:
         fully_shard(block, mp_policy=mp, mesh=mesh)
+    # the final norm and the output layer as one group, as torchtitan groups them
+    fully_shard([model.norm, model.head], mp_policy=mp, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mp_policy=mp, mesh=mesh)
     # explicit prefetch, as torchtitan sets it
     blocks = list(model.blocks)
@@ -97,7 +101,7 @@ def _script(fully_shard, rank: int, ckpt_dir: str, mp, mesh) -> dict:
     model = _build(fully_shard, mp, mesh)
     model.to_empty(device="cpu")
     model.init_weights()
-    out = {"isinstance": isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.blocks),
+    out = {"isinstance": all(isinstance(m, FSDPModule) for m in (model, *model.blocks, model.norm, model.head)),
            "placements": all(isinstance(p, DTensor) and p.placements == placements for p in model.parameters())}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(100 + rank)
@@ -179,7 +183,26 @@ def _rank(rank, world_size, ckpt_dir, bf16, hsdp):
     for key in ("losses", "norms", "full", "full_osd", "after", "resumed", "resumed_losses", "dcp_loaded", "meta_sd",
                 "dtensor_resumed", "dtensor_resumed_loss"):
         bitwise_mismatches(ref[key], got[key], key, mismatches)
-    return {"isinstance": got["isinstance"], "placements": got["placements"], "mismatches": mismatches}
+    return {"isinstance": got["isinstance"], "placements": got["placements"], "mismatches": mismatches,
+            "list_refusals": _list_refusals(pydist.fully_shard, mesh)}
+
+
+def _list_refusals(fully_shard, mesh) -> list:
+    """What pydist refuses of a list (see [Note: a list of modules]), each
+    before anything is sharded: the messages, and whether the modules were
+    left as they were."""
+    tied = nn.ModuleList([nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB, bias=False)])
+    tied[1].weight = tied[0].weight
+    outer = nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM))
+    found = []
+    for modules in ([tied[0], tied[1]], [outer, outer[1]]):
+        try:
+            fully_shard(modules, mesh=mesh)
+            found.append("accepted")
+        except NotImplementedError as e:
+            untouched = not any(hasattr(p, "_pydist_fsdp_taken_by") for m in modules for p in m.parameters())
+            found.append(str(e) if untouched else "changed the modules")
+    return found
 
 
 @pytest.mark.timeout(240)
@@ -192,3 +215,6 @@ def test_fsdp2_script_with_only_the_import_changed(bf16, hsdp):
     for rank, r in enumerate(results):
         assert r["isinstance"] and r["placements"], f"rank {rank}"
         assert not r["mismatches"], f"rank {rank}: " + "; ".join(r["mismatches"][:8])
+        tied, nested = r["list_refusals"]
+        assert "weight tied between modules of a list" in tied and "parameter weight of module 1" in tied, tied
+        assert "is inside module 0" in nested, nested
