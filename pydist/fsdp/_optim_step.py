@@ -83,7 +83,7 @@ the first step that finds a run of shards moves the state of each run into
 one buffer laid out like the shards (copied, then ``set_`` onto it: the
 state's objects, DTensors and local tensors, stay the same and keep their
 values). The plan (the runs, their flat views) is cached on the state and
-checked each step: the same tensor objects, their data where it was.
+checked each step: the same tensor objects, the shards' data where it was.
 Gradients are new each step, so their adjacency is checked each step and
 any break sends the call down the per-parameter path. The other
 ``state_steps`` of a run are counted up after the step, as the
@@ -136,7 +136,6 @@ _PARAM_SPECS: dict = {}
 _EQUAL_LAYOUTS: dict = {}
 _SPEC = operator.attrgetter("_spec")
 _LOCAL = operator.attrgetter("_local_tensor")
-_SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 
@@ -286,15 +285,16 @@ class _Runs:
     parameter lists (each end - start >= 2), the lists with each run as one
     flat tensor for the parameters and each state list, and what the
     step's own lists are checked against (ids of the tensors planned for,
-    all held but the one the plan hangs on, and where their data was)."""
+    all held but the one the plan hangs on, and where the shards' data was)."""
 
-    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "offsets", "shapes", "dtypes")
+    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "offsets", "dtypes", "last_numels")
 
     def __init__(self, everything, held, spans, flat, offsets, params):
-        self.ids, self.ptrs = list(map(id, everything)), list(map(_DATA_PTR, everything))
+        self.ids, self.ptrs = list(map(id, everything)), list(map(_DATA_PTR, params))
         self.held, self.spans, self.flat, self.offsets = held, spans, flat, offsets
-        # What each gradient must be, as its shard.
-        self.shapes, self.dtypes = list(map(_SHAPE, params)), list(map(_DTYPE, params))
+        # What each gradient's dtype must be, its shard's; and each run's last shard's numel.
+        self.dtypes = list(map(_DTYPE, params))
+        self.last_numels = {s: params[e - 1].numel() for s, e in spans}
 
 
 # Plans by the first state tensor of their group: they go with the state.
@@ -329,8 +329,9 @@ def _in_runs(local: dict, f: _Functional):
     key = local[state_names[0]][0]
     planned = list(itertools.chain(params, *(local[name] for name in state_names)))
     plan = plans.get(key)
-    # The same tensors where they were (a tensor re-pointed with set_ keeps its id).
-    if plan is None or plan.ids != list(map(id, planned)) or plan.ptrs != list(map(_DATA_PTR, planned)):
+    # The same tensors, the shards where they were (pydist re-points none
+    # with set_, which keeps an id, but a user may; the state is ours).
+    if plan is None or plan.ids != list(map(id, planned)) or plan.ptrs != list(map(_DATA_PTR, params)):
         plan = _plan(params, [local[name] for name in state_names], key)
         plans[key] = plan
     if not plan.spans:
@@ -438,8 +439,7 @@ def _with_runs(tensors: list, spans: list) -> list:
 def _flat_grads(grads: list, plan: _Runs):
     """The step's gradients with each run as one tensor, or None where a
     run's gradients do not lie like its shards."""
-    if (not all(map(torch.Tensor.is_contiguous, grads)) or list(map(_SHAPE, grads)) != plan.shapes
-            or list(map(_DTYPE, grads)) != plan.dtypes):
+    if not all(map(torch.Tensor.is_contiguous, grads)) or list(map(_DTYPE, grads)) != plan.dtypes:
         return None
     out, start = [], 0
     params = plan.flat[0]
@@ -447,7 +447,8 @@ def _flat_grads(grads: list, plan: _Runs):
         out += grads[start:s]
         flat_param = params[len(out)]
         head = grads[s].data_ptr()
-        if [g.data_ptr() - head for g in grads[s:e]] != plan.offsets[s]:
+        if ([g.data_ptr() - head for g in grads[s:e]] != plan.offsets[s]
+                or grads[e - 1].numel() != plan.last_numels[s]):
             return None
         try:  # as_strided checks the storage's bounds
             out.append(grads[s].as_strided((flat_param.numel(),), (1,)))
