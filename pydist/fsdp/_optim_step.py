@@ -56,13 +56,14 @@ tests/fsdp/test_fsdp_optim_step.py checks the result bitwise against torch's
 FSDP2 (which steps through DTensor dispatch) and that the fast branch ran.
 
 [Note: adjacent shards stepped as one tensor]
-On local shards the single-tensor path (torch's CPU default) still runs its
-ten-odd ops once per parameter, about 20 us of Python and dispatch each
-whatever the size: on a model of many small parameters (norms, biases) that
-is most of the step. A unit's local shards lie one after another in its shard
-buffer and their gradients in its reduce output, in the same order, so a run
-of adjacent shards can be stepped as one flat tensor, with the same result
-element for element, when:
+On local shards (and on FSDP1's door's plain shards, ``_plain_shards``) the
+single-tensor path (torch's CPU default) still runs its ten-odd ops once per
+parameter, about 20 us of Python and dispatch each whatever the size: on a
+model of many small parameters (norms, biases) that is most of the step. A
+unit's local shards lie one after another in its shard buffer and their
+gradients in its reduce output, in the same order, so a run of adjacent
+shards can be stepped as one flat tensor, with the same result element for
+element, when:
   * every op is element-wise and reads one element of each list and the
     run's shared scalars (lr, betas, and the bias corrections of the step
     count): all of them, with every ``state_steps`` value of the run equal;
@@ -88,7 +89,8 @@ Gradients are new each step, so their adjacency is checked each step and
 any break sends the call down the per-parameter path. The other
 ``state_steps`` of a run are counted up after the step, as the
 per-parameter path counts each. tests/fsdp/test_fsdp_optim_step.py checks
-it bitwise against torch's FSDP2 and that runs were stepped.
+it bitwise against torch's FSDP2 and that runs were stepped, and
+tests/fsdp/test_fsdp1_and_state.py against torch's FSDP1.
 """
 
 from __future__ import annotations
@@ -161,9 +163,12 @@ def _on_local_shards(original, f: _Functional):
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         local = _local_arguments(bound.arguments, f)
-        if local is None:
+        if local is not None:
+            LOCAL_SHARD_STEPS[f.name] += 1
+        elif _plain_shards(bound.arguments, f):  # FSDP1's door: the shards are plain tensors already
+            local = bound.arguments
+        else:
             return original(*args, **kwargs)
-        LOCAL_SHARD_STEPS[f.name] += 1
         runs = _in_runs(local, f)
         if runs is None:
             return original(**local)
@@ -229,6 +234,24 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
                 != _default_to_fused_or_foreach(local["params"], differentiable, use_fused=False)):
             return None
     return local
+
+
+def _plain_shards(arguments: dict, f: _Functional) -> bool:
+    """Whether a call steps only pydist's plain shards (FSDP1's door: see
+    [Note: what the optimizer sees] in _fsdp_param.py) with plain
+    gradients and state, none to be created: its runs are stepped as one
+    tensor each (see [Note: adjacent shards stepped as one tensor]), the
+    rest as torch would."""
+    if arguments.get("grad_scale") is not None or arguments.get("found_inf") is not None:
+        return False
+    if arguments.get("has_complex") or arguments.get("has_sparse_grad") or arguments.get("differentiable"):
+        return False
+    params = arguments["params"]
+    if not params or not all(map(hasattr, params, itertools.repeat("_pydist_fsdp_param"))):
+        return False
+    lists = [arguments[name] for name in f.per_param if arguments[name]]
+    return (all(len(tensors) == len(params) for tensors in lists)
+            and set(map(type, itertools.chain.from_iterable(lists))) <= {torch.Tensor, torch.nn.Parameter})
 
 
 def _param_spec(spec) -> bool:

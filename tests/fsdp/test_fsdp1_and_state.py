@@ -675,3 +675,64 @@ def test_ignored_modules_and_params_as_torchs():
             for key in ref:
                 assert torch.equal(sd[key], ref[key]), f"rank {rank}, {how}: {key}"
     assert not torch.equal(results[0]["pydist:fsdp2"][1]["head.weight"], results[1]["pydist:fsdp2"][1]["head.weight"])
+
+
+class _RunsNet(nn.Module):
+    """FSDP1 units whose flat shards hold runs of whole 128-byte pieces at 2
+    ranks (see [Note: adjacent shards stepped as one tensor]): a block's
+    flat parameter (Linear(IN, 64) + LayerNorm: 704 floats; with
+    Linear(64, 64), 4,288) gives rank 0 one piece of the weight and rank 1
+    the rest of it, 160 (1,952) floats, then the bias's and the norm's 64
+    each (a run of 4); the 64 -> 63 block gives
+    rank 1 1,984 floats of the weight and the 63-float bias (a run ending in
+    a tail); the root's pieces (124 floats then 4 on rank 1) form none."""
+
+    def __init__(self):
+        from fsdp_harness import IN, OUT
+
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(n, 64), nn.LayerNorm(64)) for n in (IN, 64, 64)])
+        self.last = nn.Sequential(nn.Linear(64, 63), nn.Tanh())
+        self.head = nn.Linear(63, OUT)
+
+    def units(self):
+        return [*self.blocks, self.last]
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.last(x))
+
+
+def _fsdp1_runs_rank(rank, world_size, scenarios):
+    from fsdp_harness import MODELS as models
+    from fsdp_harness import train
+
+    from pydist.fsdp._optim_step import LOCAL_SHARD_RUNS
+
+    models["runs"] = _RunsNet
+    out = []
+    for sc in scenarios:
+        ref = train(rank, world_size, sc, "torch")
+        before = sum(LOCAL_SHARD_RUNS.values())
+        got = train(rank, world_size, sc, "pydist")
+        out.append((ref, got, sum(LOCAL_SHARD_RUNS.values()) - before))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_fsdp1_shards_stepped_in_runs_bitwise_as_torchs():
+    """FSDP1's door's plain shards are stepped in runs as fully_shard's are:
+    bitwise torch FSDP1's, with runs on rank 1 at every step whose state
+    exists (SGD's first makes its momentum buffers, per parameter)."""
+    scenarios = [Scenario(api="fsdp1", model="runs", optimizer=name, steps=4, shm=True) for name in ("adam", "sgd")]
+    results = run_ranks(_fsdp1_runs_rank, 2, args=(scenarios,), timeout=140)
+    for rank, per_rank in enumerate(results):
+        for sc, (ref, got, runs) in zip(scenarios, per_rank):
+            where = f"rank {rank} {sc.optimizer}"
+            assert_close(ref.losses, got.losses, True, f"{where} losses")
+            assert sorted(ref.params) == sorted(got.params), where
+            for k in ref.params:
+                assert_close(ref.params[k], got.params[k], True, f"{where} param {k}")
+            steps_with_state = sc.steps - (sc.optimizer == "sgd")
+            assert runs == (4 * steps_with_state if rank == 1 else 0), f"{where}: {runs} runs stepped"
