@@ -83,11 +83,12 @@ The optimizer's state tensors are made one per parameter (``zeros_like``);
 the first step that finds a run of shards moves the state of each run into
 one buffer laid out like the shards (copied, then ``set_`` onto it: the
 state's objects, DTensors and local tensors, stay the same and keep their
-values). The plan (the runs, their flat views) is cached on the state and
-checked each step: the same tensor objects, the shards' data where it was.
-Gradients are new each step, so their adjacency is checked each step and
-any break sends the call down the per-parameter path. The other
-``state_steps`` of a run are counted up after the step, as the
+values); so do Adam's step counts, into one buffer of the group's. The
+plan (the runs, their flat views) is cached on the state and checked each
+step: the same tensor objects, the shards' data where it was. Gradients
+are new each step, so their adjacency is checked each step and any break
+sends the call down the per-parameter path. The call gets each run's first
+step count; the others are counted up after it in one op, as the
 per-parameter path counts each. tests/fsdp/test_fsdp_optim_step.py checks
 it bitwise against torch's FSDP2 and that runs were stepped, and
 tests/fsdp/test_fsdp1_and_state.py against torch's FSDP1.
@@ -172,10 +173,9 @@ def _on_local_shards(original, f: _Functional):
         runs = _in_runs(local, f)
         if runs is None:
             return original(**local)
-        arguments, counted_after = runs
+        arguments, plan = runs
         result = original(**arguments)
-        if counted_after:
-            torch._foreach_add_(counted_after, 1)
+        plan.count_up()
         return result
 
     step_on_local_shards.__name__ = original.__name__
@@ -310,14 +310,35 @@ class _Runs:
     step's own lists are checked against (ids of the tensors planned for,
     all held but the one the plan hangs on, and where the shards' data was)."""
 
-    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "offsets", "dtypes", "last_numels")
+    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "offsets", "dtypes", "last_numels", "steps",
+                 "head_steps", "rest", "ones")
 
-    def __init__(self, everything, held, spans, flat, offsets, params):
+    def __init__(self, everything, held, spans, flat, offsets, params, steps):
         self.ids, self.ptrs = list(map(id, everything)), list(map(_DATA_PTR, params))
         self.held, self.spans, self.flat, self.offsets = held, spans, flat, offsets
         # What each gradient's dtype must be, its shard's; and each run's last shard's numel.
         self.dtypes = list(map(_DTYPE, params))
         self.last_numels = {s: params[e - 1].numel() for s, e in spans}
+        # Adam's step counts, moved into one buffer (``steps``): what the
+        # call gets (each run's first's), and where the others are.
+        self.steps = self.head_steps = self.rest = self.ones = None
+        if steps is not None:
+            heads, rest, start = [], [], 0
+            for s, e in spans:
+                heads += range(start, s + 1)
+                rest += range(s + 1, e)
+                start = e
+            heads += range(start, len(params))
+            self.steps = _gather_steps(steps)
+            self.head_steps = [steps[i] for i in heads]
+            self.rest = torch.tensor(rest, dtype=torch.long)
+            self.ones = torch.ones(len(rest), dtype=self.steps.dtype)
+
+    def count_up(self) -> None:
+        """After the call: the step counts it did not get count one up, as
+        the per-parameter path counts each."""
+        if self.steps is not None:
+            self.steps.index_add_(0, self.rest, self.ones)
 
 
 # Plans by the first state tensor of their group: they go with the state.
@@ -350,18 +371,18 @@ def _in_runs(local: dict, f: _Functional):
         return None
     plans = _plans()
     key = local[state_names[0]][0]
-    planned = list(itertools.chain(params, *(local[name] for name in state_names)))
+    steps = local.get("state_steps")
+    planned = list(itertools.chain(params, *(local[name] for name in state_names), steps or ()))
     plan = plans.get(key)
     # The same tensors, the shards where they were (pydist re-points none
     # with set_, which keeps an id, but a user may; the state is ours).
     if plan is None or plan.ids != list(map(id, planned)) or plan.ptrs != list(map(_DATA_PTR, params)):
-        plan = _plan(params, [local[name] for name in state_names], key)
+        plan = _plan(params, [local[name] for name in state_names], steps, key)
         plans[key] = plan
     if not plan.spans:
         return None
-    steps = local.get("state_steps")
-    if steps is not None and not bool(torch.stack(steps).eq(steps[0]).all()):
-        return None
+    if plan.steps is not None and not bool(plan.steps.eq(plan.steps[0]).all()):
+        return None  # a run's shards at other steps (set by hand): each on its own
     grads = _flat_grads(local[grad_name], plan)
     if grads is None:
         return None
@@ -369,22 +390,19 @@ def _in_runs(local: dict, f: _Functional):
     for name, flat in zip(["params"] + state_names, plan.flat):
         arguments[name] = [key if t is None else t for t in flat] if name == state_names[0] else flat
     arguments[grad_name] = grads
-    counted_after = []
-    if steps is not None:
-        heads, start = [], 0
-        for s, e in plan.spans:
-            heads += steps[start:s + 1]
-            counted_after += steps[s + 1:e]
-            start = e
-        arguments["state_steps"] = heads + steps[start:]
+    if plan.steps is not None:
+        arguments["state_steps"] = plan.head_steps
     LOCAL_SHARD_RUNS[f.name] += len(plan.spans)
-    return arguments, counted_after
+    return arguments, plan
 
 
-def _plan(params: list, states: list, key: torch.Tensor) -> _Runs:
+def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> _Runs:
     """The runs of ``params`` (local shards) and the states moved to lie
     like them: see [Note: adjacent shards stepped as one tensor]."""
     n = len(params)
+    if steps is not None and (len(steps) != n or {(s.dim(), s.dtype, s.device.type) for s in steps}
+                              != {(0, steps[0].dtype, "cpu")}):
+        return _Runs([], [], [], [], {}, [], None)  # step counts of other kinds: no runs
     # A shard can be in a run; a whole one (of whole blocks) can be followed in it.
     fits = [p.is_contiguous() and all(s[i].dtype == p.dtype and s[i].shape == p.shape and s[i].is_contiguous()
                                       for s in states) for i, p in enumerate(params)]
@@ -410,9 +428,9 @@ def _plan(params: list, states: list, key: torch.Tensor) -> _Runs:
     # The lists with the runs made flat; the tensor the plan hangs on left
     # out (None), put back each step (a plan holding it would never go).
     flat = [[None if t is key else t for t in _with_runs(tensors, spans)] for tensors in [params] + states]
-    everything = [t for tensors in [params] + states for t in tensors]
+    everything = [t for tensors in [params] + states + ([steps] if steps is not None else []) for t in tensors]
     held = [t for t in everything if t is not key]
-    return _Runs(everything, held, spans, flat, offsets, params)
+    return _Runs(everything, held, spans, flat, offsets, params, steps)
 
 
 def _one_buffer(tensors: list, total: int) -> bool:
@@ -440,6 +458,17 @@ def _gather_state(tensors: list, numels: list, total: int) -> None:
         with torch.no_grad():
             t.set_(buffer.untyped_storage(), offset, t.shape, t.stride())
         offset += numel
+
+
+def _gather_steps(steps: list) -> torch.Tensor:
+    """Moves the step counts (0-dim tensors of one dtype) into one buffer,
+    element i step i's, each keeping its object and value (``set_``); the
+    buffer."""
+    buffer = torch.stack([s.detach() for s in steps])
+    with torch.no_grad():
+        for i, s in enumerate(steps):
+            s.set_(buffer.untyped_storage(), i, (), ())
+    return buffer
 
 
 def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
