@@ -310,15 +310,30 @@ class _Runs:
     step's own lists are checked against (ids of the tensors planned for,
     all held but the one the plan hangs on, and where the shards' data was)."""
 
-    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "offsets", "dtypes", "last_numels", "steps",
+    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "dtypes", "adjacent", "sizes", "grad_layout", "steps",
                  "head_steps", "rest", "ones")
 
-    def __init__(self, everything, held, spans, flat, offsets, params, steps):
+    def __init__(self, everything, held, spans, flat, params, steps):
         self.ids, self.ptrs = list(map(id, everything)), list(map(_DATA_PTR, params))
-        self.held, self.spans, self.flat, self.offsets = held, spans, flat, offsets
-        # What each gradient's dtype must be, its shard's; and each run's last shard's numel.
+        self.held, self.spans, self.flat = held, spans, flat
+        # What the step's gradients are checked against, in few lists (a
+        # step's garbage collections grow with the objects made): each
+        # gradient's dtype, its shard's; (head, member, bytes between) for
+        # each member of a run after its first; (index, numel) of each run's
+        # last; and per tensor the call gets, (the gradient's index, the
+        # run's numel or None for a shard on its own).
         self.dtypes = list(map(_DTYPE, params))
-        self.last_numels = {s: params[e - 1].numel() for s, e in spans}
+        self.adjacent, self.sizes, self.grad_layout, start = [], [], [], 0
+        for s, e in spans:
+            self.grad_layout += [(i, None) for i in range(start, s)]
+            self.grad_layout.append((s, sum(p.numel() for p in params[s:e])))
+            offset = 0
+            for i in range(s, e - 1):
+                offset += params[i].numel() * params[i].element_size()
+                self.adjacent.append((s, i + 1, offset))
+            self.sizes.append((e - 1, params[e - 1].numel()))
+            start = e
+        self.grad_layout += [(i, None) for i in range(start, len(params))]
         # Adam's step counts, moved into one buffer (``steps``): what the
         # call gets (each run's first's), and where the others are.
         self.steps = self.head_steps = self.rest = self.ones = None
@@ -402,7 +417,7 @@ def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> 
     n = len(params)
     if steps is not None and (len(steps) != n or {(s.dim(), s.dtype, s.device.type) for s in steps}
                               != {(0, steps[0].dtype, "cpu")}):
-        return _Runs([], [], [], [], {}, [], None)  # step counts of other kinds: no runs
+        return _Runs([], [], [], [], [], None)  # step counts of other kinds: no runs
     # A shard can be in a run; a whole one (of whole blocks) can be followed in it.
     fits = [p.is_contiguous() and all(s[i].dtype == p.dtype and s[i].shape == p.shape and s[i].is_contiguous()
                                       for s in states) for i, p in enumerate(params)]
@@ -419,10 +434,8 @@ def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> 
         if end - i >= 2 and size and _one_buffer(params[i:end], size):
             spans.append((i, end))
         i = end
-    offsets = {}
     for s, e in spans:
         numels = [p.numel() for p in params[s:e]]
-        offsets[s] = [sum(numels[:k]) * params[s].element_size() for k in range(len(numels))]
         for state in states:
             _gather_state(state[s:e], numels, sum(numels))
     # The lists with the runs made flat; the tensor the plan hangs on left
@@ -430,7 +443,7 @@ def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> 
     flat = [[None if t is key else t for t in _with_runs(tensors, spans)] for tensors in [params] + states]
     everything = [t for tensors in [params] + states + ([steps] if steps is not None else []) for t in tensors]
     held = [t for t in everything if t is not key]
-    return _Runs(everything, held, spans, flat, offsets, params, steps)
+    return _Runs(everything, held, spans, flat, params, steps)
 
 
 def _one_buffer(tensors: list, total: int) -> bool:
@@ -493,18 +506,11 @@ def _flat_grads(grads: list, plan: _Runs):
     run's gradients do not lie like its shards."""
     if not all(map(torch.Tensor.is_contiguous, grads)) or list(map(_DTYPE, grads)) != plan.dtypes:
         return None
-    out, start = [], 0
-    params = plan.flat[0]
-    for s, e in plan.spans:
-        out += grads[start:s]
-        flat_param = params[len(out)]
-        head = grads[s].data_ptr()
-        if ([g.data_ptr() - head for g in grads[s:e]] != plan.offsets[s]
-                or grads[e - 1].numel() != plan.last_numels[s]):
-            return None
-        try:  # as_strided checks the storage's bounds
-            out.append(grads[s].as_strided((flat_param.numel(),), (1,)))
-        except RuntimeError:  # beyond its storage: not one buffer
-            return None
-        start = e
-    return out + grads[start:]
+    ptrs = list(map(_DATA_PTR, grads))
+    if not (all(ptrs[member] - ptrs[head] == offset for head, member, offset in plan.adjacent)
+            and all(grads[i].numel() == numel for i, numel in plan.sizes)):
+        return None
+    try:  # as_strided checks the storage's bounds
+        return [grads[i] if numel is None else grads[i].as_strided((numel,), (1,)) for i, numel in plan.grad_layout]
+    except RuntimeError:  # beyond its storage: not one buffer
+        return None
