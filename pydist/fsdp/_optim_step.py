@@ -56,7 +56,7 @@ tests/fsdp/test_fsdp_optim_step.py checks the result bitwise against torch's
 FSDP2 (which steps through DTensor dispatch) and that the fast branch ran.
 
 [Note: adjacent shards stepped as one tensor]
-On local shards (and on FSDP1's door's plain shards, ``_plain_shards``) the
+On local shards (and on FSDP1's door's plain shards: ``_PLAIN``) the
 single-tensor path (torch's CPU default) still runs its ten-odd ops once per
 parameter, about 20 us of Python and dispatch each whatever the size: on a
 model of many small parameters (norms, biases) that is most of the step. A
@@ -163,10 +163,13 @@ def _on_local_shards(original, f: _Functional):
         if torch.compiler.is_compiling() or torch.jit.is_scripting() or torch.is_grad_enabled():
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
-        local = _local_arguments(bound.arguments, f)
+        lists = _pydist_lists(bound.arguments, f)
+        if lists is None:
+            return original(*args, **kwargs)
+        local = _local_arguments(bound.arguments, f, *lists)
         if local is not None:
             LOCAL_SHARD_STEPS[f.name] += 1
-        elif _plain_shards(bound.arguments, f):  # FSDP1's door: the shards are plain tensors already
+        elif lists[2] <= _PLAIN:  # FSDP1's door (see [Note: what the optimizer sees]): plain shards already
             local = bound.arguments
         else:
             return original(*args, **kwargs)
@@ -185,8 +188,33 @@ def _on_local_shards(original, f: _Functional):
     return step_on_local_shards
 
 
-def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
-    """``arguments`` with each per-parameter DTensor replaced by its local
+def _pydist_lists(arguments: dict, f: _Functional):
+    """(the names of the per-parameter lists given, the lists, the types of
+    their elements) where a call steps pydist's parameters only, with none
+    of what keeps both fast paths out (GradScaler tensors, sparse or complex
+    gradients, ``differentiable``); else None. Parameters first."""
+    if arguments.get("grad_scale") is not None or arguments.get("found_inf") is not None:
+        return None
+    if arguments.get("has_complex") or arguments.get("has_sparse_grad") or arguments.get("differentiable"):
+        return None
+    params = arguments["params"]
+    if not params or not all(map(hasattr, params, itertools.repeat("_pydist_fsdp_param"))):
+        return None  # (torch's own fully_shard steps as without pydist)
+    names = [name for name in f.per_param if arguments[name]]
+    lists = [arguments[name] for name in names]
+    if any(len(tensors) != len(params) for tensors in lists):
+        return None
+    return names, lists, set(map(type, itertools.chain.from_iterable(lists)))
+
+
+# The types of FSDP1's door's shards, gradients and state (a None, a state
+# still to be created, is not one).
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
+
+
+def _local_arguments(arguments: dict, f: _Functional, names: list, lists: list, types: set) -> dict | None:
+    """``arguments`` (``_pydist_lists``'s ``names``, ``lists`` and
+    ``types`` of it) with each per-parameter DTensor replaced by its local
     tensor, or None where the Note's conditions do not all hold.
 
     Called once per group and step with thousands of tensors on a model of
@@ -197,22 +225,10 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
-    if arguments.get("grad_scale") is not None or arguments.get("found_inf") is not None:
-        return None
-    if arguments.get("has_complex") or arguments.get("has_sparse_grad") or arguments.get("differentiable"):
+    # A None (a state still to be created) or a plain tensor anywhere: through the DTensors.
+    if types != {DTensor}:
         return None
     params = arguments["params"]
-    if not params:
-        return None
-    names = [name for name in f.per_param if arguments[name]]  # params first
-    lists = [arguments[name] for name in names]
-    if any(len(tensors) != len(params) for tensors in lists):
-        return None
-    # A None (a state still to be created) or a plain tensor anywhere: through the DTensors.
-    if set(map(type, itertools.chain.from_iterable(lists))) != {DTensor}:
-        return None
-    if not all(map(hasattr, params, itertools.repeat("_pydist_fsdp_param"))):
-        return None  # (torch's own fully_shard steps as without pydist)
     specs = list(map(_SPEC, params))
     if not all(map(_PARAM_SPECS.__contains__, map(id, specs))) and not all(map(_param_spec, specs)):
         return None
@@ -234,24 +250,6 @@ def _local_arguments(arguments: dict, f: _Functional) -> dict | None:
                 != _default_to_fused_or_foreach(local["params"], differentiable, use_fused=False)):
             return None
     return local
-
-
-def _plain_shards(arguments: dict, f: _Functional) -> bool:
-    """Whether a call steps only pydist's plain shards (FSDP1's door: see
-    [Note: what the optimizer sees] in _fsdp_param.py) with plain
-    gradients and state, none to be created: its runs are stepped as one
-    tensor each (see [Note: adjacent shards stepped as one tensor]), the
-    rest as torch would."""
-    if arguments.get("grad_scale") is not None or arguments.get("found_inf") is not None:
-        return False
-    if arguments.get("has_complex") or arguments.get("has_sparse_grad") or arguments.get("differentiable"):
-        return False
-    params = arguments["params"]
-    if not params or not all(map(hasattr, params, itertools.repeat("_pydist_fsdp_param"))):
-        return False
-    lists = [arguments[name] for name in f.per_param if arguments[name]]
-    return (all(len(tensors) == len(params) for tensors in lists)
-            and set(map(type, itertools.chain.from_iterable(lists))) <= {torch.Tensor, torch.nn.Parameter})
 
 
 def _param_spec(spec) -> bool:
@@ -304,18 +302,20 @@ _RUN_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512", "SVE256")
 
 
 class _Runs:
-    """A group's runs of adjacent shards: ``spans`` (start, end) over the
-    parameter lists (each end - start >= 2), the lists with each run as one
-    flat tensor for the parameters and each state list, and what the
-    step's own lists are checked against (ids of the tensors planned for,
-    all held but the one the plan hangs on, and where the shards' data was)."""
+    """A group's runs of adjacent shards: ``spans`` (start, end, numel) over
+    the parameter lists (each end - start >= 2), the lists with each run as
+    one flat tensor for the parameters and each state list (the tensor the
+    plan hangs on left out: at ``key_at`` of the first state list, or
+    None), and what the step's own lists are checked against (ids of the
+    tensors planned for, all held but the one the plan hangs on, and where
+    the shards' data was)."""
 
-    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "dtypes", "adjacent", "sizes", "grad_layout", "steps",
-                 "head_steps", "rest", "ones")
+    __slots__ = ("ids", "ptrs", "held", "spans", "flat", "key_at", "dtypes", "adjacent", "sizes", "grad_layout",
+                 "steps", "head_steps", "rest", "ones")
 
-    def __init__(self, everything, held, spans, flat, params, steps):
+    def __init__(self, everything, held, spans, flat, key_at, params, steps):
         self.ids, self.ptrs = list(map(id, everything)), list(map(_DATA_PTR, params))
-        self.held, self.spans, self.flat = held, spans, flat
+        self.held, self.spans, self.flat, self.key_at = held, spans, flat, key_at
         # What the step's gradients are checked against, in few lists (a
         # step's garbage collections grow with the objects made): each
         # gradient's dtype, its shard's; (head, member, bytes between) for
@@ -324,9 +324,9 @@ class _Runs:
         # run's numel or None for a shard on its own).
         self.dtypes = list(map(_DTYPE, params))
         self.adjacent, self.sizes, self.grad_layout, start = [], [], [], 0
-        for s, e in spans:
+        for s, e, numel in spans:
             self.grad_layout += [(i, None) for i in range(start, s)]
-            self.grad_layout.append((s, sum(p.numel() for p in params[s:e])))
+            self.grad_layout.append((s, numel))
             offset = 0
             for i in range(s, e - 1):
                 offset += params[i].numel() * params[i].element_size()
@@ -334,20 +334,15 @@ class _Runs:
             self.sizes.append((e - 1, params[e - 1].numel()))
             start = e
         self.grad_layout += [(i, None) for i in range(start, len(params))]
-        # Adam's step counts, moved into one buffer (``steps``): what the
-        # call gets (each run's first's), and where the others are.
+        # Adam's step counts, moved into one buffer (``steps``): the call
+        # gets the count of each tensor it is given (a run's first's); the
+        # runs' later members' are counted up after it.
         self.steps = self.head_steps = self.rest = self.ones = None
         if steps is not None:
-            heads, rest, start = [], [], 0
-            for s, e in spans:
-                heads += range(start, s + 1)
-                rest += range(s + 1, e)
-                start = e
-            heads += range(start, len(params))
             self.steps = _gather_steps(steps)
-            self.head_steps = [steps[i] for i in heads]
-            self.rest = torch.tensor(rest, dtype=torch.long)
-            self.ones = torch.ones(len(rest), dtype=self.steps.dtype)
+            self.head_steps = [steps[i] for i, _ in self.grad_layout]
+            self.rest = torch.tensor([member for _, member, _ in self.adjacent], dtype=torch.long)
+            self.ones = torch.ones(len(self.adjacent), dtype=self.steps.dtype)
 
     def count_up(self) -> None:
         """After the call: the step counts it did not get count one up, as
@@ -371,12 +366,10 @@ def _plans():
 
 def _in_runs(local: dict, f: _Functional):
     """``local`` with each run of adjacent shards as one tensor in every
-    per-parameter list, and the step counts to count up after the call; None
+    per-parameter list, and the plan (whose ``count_up`` follows the call); None
     where no run applies (see [Note: adjacent shards stepped as one
     tensor])."""
-    if f.name == "adam" and (local.get("capturable") or local.get("differentiable")):
-        return None
-    if local.get("fused") or local.get("foreach"):
+    if local.get("capturable") or local.get("fused") or local.get("foreach"):
         return None  # (foreach None: torch's default, the single-tensor path on the CPU; checked below)
     params = local["params"]
     if params[0].device.type != "cpu" or torch.backends.cpu.get_cpu_capability() not in _RUN_CAPABILITIES:
@@ -402,8 +395,10 @@ def _in_runs(local: dict, f: _Functional):
     if grads is None:
         return None
     arguments = dict(local)
-    for name, flat in zip(["params"] + state_names, plan.flat):
-        arguments[name] = [key if t is None else t for t in flat] if name == state_names[0] else flat
+    arguments.update(zip(["params"] + state_names, plan.flat))
+    if plan.key_at is not None:
+        arguments[state_names[0]] = first = list(plan.flat[1])
+        first[plan.key_at] = key
     arguments[grad_name] = grads
     if plan.steps is not None:
         arguments["state_steps"] = plan.head_steps
@@ -417,7 +412,7 @@ def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> 
     n = len(params)
     if steps is not None and (len(steps) != n or {(s.dim(), s.dtype, s.device.type) for s in steps}
                               != {(0, steps[0].dtype, "cpu")}):
-        return _Runs([], [], [], [], [], None)  # step counts of other kinds: no runs
+        return _Runs([], [], [], [], None, [], None)  # step counts of other kinds: no runs
     # A shard can be in a run; a whole one (of whole blocks) can be followed in it.
     fits = [p.is_contiguous() and all(s[i].dtype == p.dtype and s[i].shape == p.shape and s[i].is_contiguous()
                                       for s in states) for i, p in enumerate(params)]
@@ -432,18 +427,21 @@ def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> 
             size += params[end].numel()
             end += 1
         if end - i >= 2 and size and _one_buffer(params[i:end], size):
-            spans.append((i, end))
+            spans.append((i, end, size))
         i = end
-    for s, e in spans:
+    for s, e, size in spans:
         numels = [p.numel() for p in params[s:e]]
         for state in states:
-            _gather_state(state[s:e], numels, sum(numels))
+            _gather_state(state[s:e], numels, size)
     # The lists with the runs made flat; the tensor the plan hangs on left
     # out (None), put back each step (a plan holding it would never go).
-    flat = [[None if t is key else t for t in _with_runs(tensors, spans)] for tensors in [params] + states]
+    flat = [_with_runs(tensors, spans) for tensors in [params] + states]
+    key_at = next((i for i, t in enumerate(flat[1]) if t is key), None)
+    if key_at is not None:
+        flat[1][key_at] = None
     everything = [t for tensors in [params] + states + ([steps] if steps is not None else []) for t in tensors]
     held = [t for t in everything if t is not key]
-    return _Runs(everything, held, spans, flat, params, steps)
+    return _Runs(everything, held, spans, flat, key_at, params, steps)
 
 
 def _one_buffer(tensors: list, total: int) -> bool:
@@ -460,17 +458,15 @@ def _gather_state(tensors: list, numels: list, total: int) -> None:
     """Moves a run's state tensors into one buffer, in order, unless they
     lie so already; each keeps its object and values (``set_``)."""
     first = tensors[0]
-    size = first.element_size()
-    if (all(t.data_ptr() == first.data_ptr() + sum(numels[:k]) * size for k, t in enumerate(tensors))
+    offsets = list(itertools.accumulate(numels[:-1], initial=0))
+    if (all(t.data_ptr() == first.data_ptr() + offset * first.element_size() for t, offset in zip(tensors, offsets))
             and _one_buffer(tensors, total)):
         return
     buffer = torch.empty(total, dtype=first.dtype, device=first.device)
-    offset = 0
-    for t, numel in zip(tensors, numels):
+    for t, numel, offset in zip(tensors, numels, offsets):
         buffer[offset:offset + numel].copy_(t.reshape(-1))
         with torch.no_grad():
             t.set_(buffer.untyped_storage(), offset, t.shape, t.stride())
-        offset += numel
 
 
 def _gather_steps(steps: list) -> torch.Tensor:
@@ -494,9 +490,9 @@ def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _with_runs(tensors: list, spans: list) -> list:
     out, start = [], 0
-    for s, e in spans:
+    for s, e, numel in spans:
         out += tensors[start:s]
-        out.append(_flat(tensors[s], sum(t.numel() for t in tensors[s:e])))
+        out.append(_flat(tensors[s], numel))
         start = e
     return out + tensors[start:]
 
