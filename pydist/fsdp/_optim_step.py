@@ -92,6 +92,32 @@ step count; the others are counted up after it in one op, as the
 per-parameter path counts each. tests/fsdp/test_fsdp_optim_step.py checks
 it bitwise against torch's FSDP2 and that runs were stepped, and
 tests/fsdp/test_fsdp1_and_state.py against torch's FSDP1.
+
+[Note: torch's foreach ops in place of its per-parameter loop]
+Left to torch's default (``foreach`` and ``fused`` None) on the CPU, Adam,
+AdamW and SGD take the single-tensor path: a Python loop running each op
+once per tensor, some 20 us a tensor whatever its size, where a model of
+many small parameters (or the runs above, cut short by a bias's 16-float
+shard at 4 ranks) has hundreds. Torch's multi-tensor path applies the same
+ops to the same elements, list by list (``_foreach_lerp_`` where the loop
+calls ``lerp_``, ...), and on the CPU each ``_foreach_`` op is ATen's loop
+over the list calling that same per-tensor op: the same kernels on the
+same values, without the Python per tensor. So the local-shard step calls
+torch's functional with ``foreach=True`` where the call would take the
+single-tensor path on the CPU, with float hyperparameters (the multi-tensor
+path refuses a Tensor lr), when, for its configuration (the functional,
+the flags that choose its ops, the dtypes), a check run once per process
+found both paths bitwise alike on small tensors of odd sizes over a few
+steps, gradients left as they were included (SGD's multi-tensor Nesterov
+update adds into the gradients in place, which the check catches: that
+configuration keeps the loop). The check is what ties this to the torch
+at hand, not a reading of one version's code. The multi-tensor path makes
+each op's result for the whole list at once (Adam's denominators: a copy of
+the state's size), so calls are cut into pieces of at most
+``_FOREACH_ELEMENTS`` elements: its transient memory stays that, or one
+tensor's as in the loop. An explicit ``foreach=False`` is kept.
+tests/fsdp/test_fsdp_optim_step.py checks the step bitwise torch FSDP2's
+(through DTensor dispatch, on its per-parameter path) with the default.
 """
 
 from __future__ import annotations
@@ -104,31 +130,42 @@ import operator
 
 import torch
 
-__all__ = ["install_local_shard_step", "LOCAL_SHARD_STEPS", "LOCAL_SHARD_RUNS"]
+__all__ = ["install_local_shard_step", "LOCAL_SHARD_STEPS", "LOCAL_SHARD_RUNS", "LOCAL_SHARD_FOREACH"]
 
 # Calls of each functional that ran on local shards, by name ("adam", "sgd"),
 # and runs of adjacent shards stepped as one tensor in them. For tests and
 # benchmarks that need to know the fast branches ran.
 LOCAL_SHARD_STEPS: collections.Counter = collections.Counter()
 LOCAL_SHARD_RUNS: collections.Counter = collections.Counter()
+# Calls that torch's multi-tensor path stepped in place of its loop, by name.
+LOCAL_SHARD_FOREACH: collections.Counter = collections.Counter()
 
 
 class _Functional:
     """One of torch's element-wise optimizer functionals and which of its
     arguments are per-parameter tensor lists."""
 
-    def __init__(self, module: str, name: str, per_param: tuple):
+    def __init__(self, module: str, name: str, per_param: tuple, scalars: tuple, flags: tuple):
         self.module, self.name = module, name
         # Lists indexed like params, each empty or all DTensors of the param's
         # spec; a None (a state the functional is to create) sends the call
         # through the DTensors (see the Note).
         self.per_param = per_param
+        # Every list indexed like params (the step counts too), in order.
+        self.lists = per_param + ("state_steps",) * (name == "adam")
+        # Hyperparameters the multi-tensor path takes as Python numbers only,
+        # and the arguments that choose which ops run (see [Note: torch's
+        # foreach ops in place of its per-parameter loop]).
+        self.scalars, self.flags = scalars, flags
 
 
 _FUNCTIONALS = (
     _Functional("torch.optim.adam", "adam",
-                ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")),
-    _Functional("torch.optim.sgd", "sgd", ("params", "d_p_list", "momentum_buffer_list")),
+                ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+                ("lr", "beta1", "beta2", "weight_decay", "eps"),
+                ("amsgrad", "maximize", "decoupled_weight_decay")),
+    _Functional("torch.optim.sgd", "sgd", ("params", "d_p_list", "momentum_buffer_list"),
+                ("lr", "weight_decay", "momentum", "dampening"), ("nesterov", "maximize")),
 )
 
 _installed = False
@@ -174,11 +211,15 @@ def _on_local_shards(original, f: _Functional):
         else:
             return original(*args, **kwargs)
         runs = _in_runs(local, f)
-        if runs is None:
-            return original(**local)
-        arguments, plan = runs
-        result = original(**arguments)
-        plan.count_up()
+        arguments, plan = runs if runs is not None else (local, None)
+        if _foreach_alike(original, f, arguments):
+            LOCAL_SHARD_FOREACH[f.name] += 1
+            _call_in_pieces(original, f, arguments)
+            result = None
+        else:
+            result = original(**arguments)
+        if plan is not None:
+            plan.count_up()
         return result
 
     step_on_local_shards.__name__ = original.__name__
@@ -510,3 +551,82 @@ def _flat_grads(grads: list, plan: _Runs):
         return [grads[i] if numel is None else grads[i].as_strided((numel,), (1,)) for i, numel in plan.grad_layout]
     except RuntimeError:  # beyond its storage: not one buffer
         return None
+
+
+# See [Note: torch's foreach ops in place of its per-parameter loop].
+_FOREACH_ELEMENTS = 1 << 20
+# (functional, flags, dtypes) -> whether torch's two paths were found alike.
+_FOREACH_ALIKE: dict = {}
+
+
+def _foreach_alike(original, f: _Functional, arguments: dict) -> bool:
+    """Whether this call, which would take torch's single-tensor path on the
+    CPU, can take its multi-tensor path instead (checked once per
+    configuration: ``_check_foreach_alike``)."""
+    if (arguments.get("foreach") is not None or arguments.get("fused") is not None or arguments.get("capturable")
+            or arguments.get("differentiable") or arguments["params"][0].device.type != "cpu"):
+        return False
+    if not all(type(arguments[name]) in (float, int) for name in f.scalars):
+        return False
+    flags = tuple(bool(arguments.get(name)) for name in f.flags)
+    zeros = tuple(arguments[name] == 0 for name in f.scalars)  # weight decay, momentum: ops that run or not
+    dtypes = tuple(sorted(set(map(_DTYPE, arguments["params"])), key=str))
+    key = (f.name, flags, zeros, dtypes)
+    alike = _FOREACH_ALIKE.get(key)
+    if alike is None:
+        alike = _FOREACH_ALIKE[key] = _check_foreach_alike(original, f, arguments, dtypes)
+    return alike
+
+
+def _check_foreach_alike(original, f: _Functional, arguments: dict, dtypes: tuple) -> bool:
+    """Runs ``original`` with ``arguments``' hyperparameters on small
+    tensors of odd sizes, three steps, once per path: whether everything
+    (parameters, state, step counts, and the gradients, which neither may
+    change) came out bit for bit the same."""
+    def lists(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        out = {name: [] for name in f.lists}
+        for dtype in dtypes:
+            for numel in (1, 5, 37, 64, 300):
+                def value():
+                    return torch.randn(numel, generator=g).to(dtype)
+                out["params"].append(value())
+                for name in f.per_param[1:]:
+                    if arguments[name]:  # (the lists the call has: max_exp_avg_sqs with amsgrad)
+                        out[name].append(value() if name != "exp_avg_sqs" else value().abs())
+                if "state_steps" in out:
+                    out["state_steps"].append(torch.zeros((), dtype=arguments["state_steps"][0].dtype))
+        return out
+
+    results = []
+    for foreach in (False, True):
+        tensors = lists(0)
+        grads = tensors[f.per_param[1]]
+        for step in range(3):
+            fresh = lists(step + 1)[f.per_param[1]]
+            for grad, new in zip(grads, fresh):
+                grad.copy_(new)
+            original(**{**arguments, **tensors, "foreach": foreach})
+            results.append([t.clone() for t in grads])  # as given: neither path may change them
+        results.append([t.clone() for name in f.lists for t in tensors[name]])
+    half = len(results) // 2
+    return all(a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
+               for mine, theirs in zip(results[:half], results[half:]) for a, b in zip(mine, theirs))
+
+
+def _call_in_pieces(original, f: _Functional, arguments: dict) -> None:
+    """``original`` on torch's multi-tensor path, the lists cut into pieces
+    of at most ``_FOREACH_ELEMENTS`` elements (a tensor larger is a piece
+    of its own)."""
+    names = [name for name in f.lists if arguments.get(name)]
+    params = arguments["params"]
+    cuts, total = [0], 0
+    for i, numel in enumerate(map(torch.Tensor.numel, params)):
+        if total and total + numel > _FOREACH_ELEMENTS:
+            cuts.append(i)
+            total = 0
+        total += numel
+    cuts.append(len(params))
+    for start, end in zip(cuts, cuts[1:]):
+        piece = {name: arguments[name][start:end] for name in names}
+        original(**{**arguments, **piece, "foreach": True})

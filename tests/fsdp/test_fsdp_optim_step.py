@@ -26,16 +26,25 @@ from fsdp_harness import bitwise_mismatches
 
 from pydist.spawn import run_ranks
 
-# (name, optimizer class, its arguments); foreach off and on, fused where the CPU has it.
+# (name, optimizer class, its arguments); foreach off, on and left to torch, fused where the CPU has it.
 CONFIGS = [
     ("sgd-momentum", "SGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01, foreach=False)),
+    ("sgd-momentum-default", "SGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    ("sgd-nesterov-default", "SGD", dict(lr=0.05, momentum=0.9, nesterov=True)),
     ("sgd-nesterov-foreach", "SGD", dict(lr=0.05, momentum=0.9, nesterov=True, foreach=True)),
     ("adam", "Adam", dict(lr=0.01, foreach=False)),
+    ("adam-amsgrad-default", "Adam", dict(lr=0.01, amsgrad=True)),
     ("adam-foreach-amsgrad", "Adam", dict(lr=0.01, foreach=True, amsgrad=True)),
     ("adam-fused", "Adam", dict(lr=0.01, fused=True)),
     ("adamw", "AdamW", dict(lr=0.01, weight_decay=0.1)),
     ("adamw-foreach", "AdamW", dict(lr=0.01, weight_decay=0.1, foreach=True)),
 ]
+# The configurations whose local-shard steps take torch's multi-tensor path
+# in place of its per-parameter loop (see [Note: torch's foreach ops in
+# place of its per-parameter loop]): those left to torch's default, but
+# SGD's Nesterov without weight decay, whose multi-tensor update adds into
+# the gradients (the check pydist runs once finds them changed).
+FOREACH_IN_PLACE_OF_LOOP = {"sgd-momentum-default", "adam-amsgrad-default", "adamw"}
 STEPS = 2  # per phase: fresh, after load_state_dict, after set_optimizer_state_dict
 
 
@@ -105,6 +114,8 @@ def _train(fully_shard, rank: int, config, build=_model, units=_units) -> dict:
             loss.backward()
             out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor())
             opt.step()
+            # The gradients as the step left them (torch's single-tensor path does not change them).
+            out["grads_after_step"] = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
             sched.step()
             opt.zero_grad()
             out["losses"].append(loss.detach())
@@ -137,21 +148,23 @@ def _rank(rank, world_size):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import pydist
-    from pydist.fsdp._optim_step import LOCAL_SHARD_STEPS
+    from pydist.fsdp._optim_step import LOCAL_SHARD_FOREACH, LOCAL_SHARD_STEPS
 
     ref = {c[0]: _train(torch_fully_shard, rank, c) for c in CONFIGS}
     through_dtensors = sum(LOCAL_SHARD_STEPS.values())  # 0: not installed before pydist's first fully_shard
     mismatches = []
-    local_steps = {}
+    local_steps, foreach = {}, {}
     for config in CONFIGS:
-        before = sum(LOCAL_SHARD_STEPS.values())
+        before, before_foreach = sum(LOCAL_SHARD_STEPS.values()), sum(LOCAL_SHARD_FOREACH.values())
         got = _train(pydist.fully_shard, rank, config)
         local_steps[config[0]] = sum(LOCAL_SHARD_STEPS.values()) - before
+        foreach[config[0]] = sum(LOCAL_SHARD_FOREACH.values()) - before_foreach
         bitwise_mismatches(ref[config[0]], got, config[0], mismatches)
         placements = [k for k, v in got["state"].items() if k.endswith(".placements")]
         if not placements or not all(got["state"][k] for k in placements):
             mismatches.append(f"{config[0]}: state not DTensors of the parameters' placements")
-    return {"through_dtensors": through_dtensors, "local_steps": local_steps, "mismatches": mismatches,
+    return {"through_dtensors": through_dtensors, "local_steps": local_steps, "foreach": foreach,
+            "mismatches": mismatches,
             "mixed_local_steps": _mixed_groups(torch_fully_shard, pydist.fully_shard),
             "after_error": _failing_step(pydist.fully_shard)}
 
@@ -260,6 +273,8 @@ def test_optimizer_step_on_local_shards_is_torch_fsdp2s_bitwise():
         # are still to be created, through the DTensors.
         expected = {name: 3 * STEPS - 1 if cls == "SGD" else 3 * STEPS + 1 for name, cls, _ in CONFIGS}
         assert r["local_steps"] == expected, f"rank {rank}"
+        expected = {name: expected[name] if name in FOREACH_IN_PLACE_OF_LOOP else 0 for name in expected}
+        assert r["foreach"] == expected, f"rank {rank}: local-shard steps on torch's multi-tensor path"
         assert r["mixed_local_steps"] == [0, 0], f"rank {rank}"
         assert r["after_error"] == "", f"rank {rank}: {r['after_error']} changed by a step that raised"
 
