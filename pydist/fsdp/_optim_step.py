@@ -74,11 +74,18 @@ element, when:
     whole number of ``_RUN_BYTES`` (two 64-byte vectors, the widest CPU
     capability ATen builds for x86 and the SVE256 one), so the run's tail is
     its last shard's tail and every other element is in a block, run or not;
-    other capabilities get no runs;
+    other capabilities get no runs. Float32 shards are exempt where a check
+    (once per configuration: ``_tails_alike``) found a buffer cut into
+    pieces of every tail length stepped bit for bit as the buffer uncut, so
+    that the two codes agree on this machine for this configuration
+    (measured with torch 2.13 on AVX512: float32 tails never differed,
+    bf16 ones did under ``add(alpha=)``, so only float32 is checked). That
+    is what lets a layout of small shards (a norm's 16 floats at 4 ranks)
+    make one run of a whole unit;
   * a run is at most ``_RUN_MAX`` elements, ATen's grain size: intra-op
     threads split longer tensors at places that would make tails;
-  * the path is the single-tensor one on the CPU (not foreach, not fused,
-    not capturable).
+  * the path is the single-tensor one on the CPU, or torch's multi-tensor
+    one where it stands in for it (see below; not fused, not capturable).
 The optimizer's state tensors are made one per parameter (``zeros_like``);
 the first step that finds a run of shards moves the state of each run into
 one buffer laid out like the shards (copied, then ``set_`` onto it: the
@@ -133,8 +140,9 @@ import torch
 __all__ = ["install_local_shard_step", "LOCAL_SHARD_STEPS", "LOCAL_SHARD_RUNS", "LOCAL_SHARD_FOREACH"]
 
 # Calls of each functional that ran on local shards, by name ("adam", "sgd"),
-# and runs of adjacent shards stepped as one tensor in them. For tests and
-# benchmarks that need to know the fast branches ran.
+# and runs of adjacent shards stepped as one tensor in them (by name, plus
+# " over float32 tails" where the runs could go past float32 shards' tails).
+# For tests and benchmarks that need to know the fast branches ran.
 LOCAL_SHARD_STEPS: collections.Counter = collections.Counter()
 LOCAL_SHARD_RUNS: collections.Counter = collections.Counter()
 # Calls that torch's multi-tensor path stepped in place of its loop, by name.
@@ -210,9 +218,10 @@ def _on_local_shards(original, f: _Functional):
             local = bound.arguments
         else:
             return original(*args, **kwargs)
-        runs = _in_runs(local, f)
+        config = _config(f, local)
+        runs = _in_runs(local, f, _tails_alike(original, f, local, config))
         arguments, plan = runs if runs is not None else (local, None)
-        if _foreach_alike(original, f, arguments):
+        if _foreach_alike(original, f, arguments, config):
             LOCAL_SHARD_FOREACH[f.name] += 1
             _call_in_pieces(original, f, arguments)
             result = None
@@ -352,9 +361,10 @@ class _Runs:
     the shards' data was)."""
 
     __slots__ = ("ids", "ptrs", "held", "spans", "flat", "key_at", "dtypes", "adjacent", "sizes", "grad_layout",
-                 "steps", "head_steps", "rest", "ones")
+                 "steps", "head_steps", "rest", "ones", "tails")
 
-    def __init__(self, everything, held, spans, flat, key_at, params, steps):
+    def __init__(self, everything, held, spans, flat, key_at, params, steps, tails):
+        self.tails = tails  # the dtypes whose shards' tails the runs may cross
         self.ids, self.ptrs = list(map(id, everything)), list(map(_DATA_PTR, params))
         self.held, self.spans, self.flat, self.key_at = held, spans, flat, key_at
         # What the step's gradients are checked against, in few lists (a
@@ -405,11 +415,11 @@ def _plans():
     return _PLANS
 
 
-def _in_runs(local: dict, f: _Functional):
+def _in_runs(local: dict, f: _Functional, tails: frozenset):
     """``local`` with each run of adjacent shards as one tensor in every
     per-parameter list, and the plan (whose ``count_up`` follows the call); None
     where no run applies (see [Note: adjacent shards stepped as one
-    tensor])."""
+    tensor]). ``tails``: the dtypes whose shards may end in a tail inside a run."""
     if local.get("capturable") or local.get("fused") or local.get("foreach"):
         return None  # (foreach None: torch's default, the single-tensor path on the CPU; checked below)
     params = local["params"]
@@ -425,8 +435,9 @@ def _in_runs(local: dict, f: _Functional):
     plan = plans.get(key)
     # The same tensors, the shards where they were (pydist re-points none
     # with set_, which keeps an id, but a user may; the state is ours).
-    if plan is None or plan.ids != list(map(id, planned)) or plan.ptrs != list(map(_DATA_PTR, params)):
-        plan = _plan(params, [local[name] for name in state_names], steps, key)
+    if (plan is None or plan.tails != tails or plan.ids != list(map(id, planned))
+            or plan.ptrs != list(map(_DATA_PTR, params))):
+        plan = _plan(params, [local[name] for name in state_names], steps, key, tails)
         plans[key] = plan
     if not plan.spans:
         return None
@@ -443,21 +454,22 @@ def _in_runs(local: dict, f: _Functional):
     arguments[grad_name] = grads
     if plan.steps is not None:
         arguments["state_steps"] = plan.head_steps
-    LOCAL_SHARD_RUNS[f.name] += len(plan.spans)
+    LOCAL_SHARD_RUNS[f.name + " over float32 tails" if plan.tails else f.name] += len(plan.spans)
     return arguments, plan
 
 
-def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> _Runs:
+def _plan(params: list, states: list, steps: list | None, key: torch.Tensor, tails: frozenset) -> _Runs:
     """The runs of ``params`` (local shards) and the states moved to lie
     like them: see [Note: adjacent shards stepped as one tensor]."""
     n = len(params)
     if steps is not None and (len(steps) != n or {(s.dim(), s.dtype, s.device.type) for s in steps}
                               != {(0, steps[0].dtype, "cpu")}):
-        return _Runs([], [], [], [], None, [], None)  # step counts of other kinds: no runs
+        return _Runs([], [], [], [], None, [], None, tails)  # step counts of other kinds: no runs
     # A shard can be in a run; a whole one (of whole blocks) can be followed in it.
     fits = [p.is_contiguous() and all(s[i].dtype == p.dtype and s[i].shape == p.shape and s[i].is_contiguous()
                                       for s in states) for i, p in enumerate(params)]
-    whole = [f and (p.numel() * p.element_size()) % _RUN_BYTES == 0 for f, p in zip(fits, params)]
+    whole = [f and ((p.numel() * p.element_size()) % _RUN_BYTES == 0 or p.dtype in tails)
+             for f, p in zip(fits, params)]
     ptrs = [p.data_ptr() for p in params]
     spans, i = [], 0
     while i < n:
@@ -482,7 +494,7 @@ def _plan(params: list, states: list, steps: list | None, key: torch.Tensor) -> 
         flat[1][key_at] = None
     everything = [t for tensors in [params] + states + ([steps] if steps is not None else []) for t in tensors]
     held = [t for t in everything if t is not key]
-    return _Runs(everything, held, spans, flat, key_at, params, steps)
+    return _Runs(everything, held, spans, flat, key_at, params, steps, tails)
 
 
 def _one_buffer(tensors: list, total: int) -> bool:
@@ -555,63 +567,99 @@ def _flat_grads(grads: list, plan: _Runs):
 
 # See [Note: torch's foreach ops in place of its per-parameter loop].
 _FOREACH_ELEMENTS = 1 << 20
-# (functional, flags, dtypes) -> whether torch's two paths were found alike.
+# What the checks found, by configuration (``_config``) and dtypes: whether
+# torch's two paths step alike; whether a shard's tail steps as the rest.
 _FOREACH_ALIKE: dict = {}
+_TAILS_ALIKE: dict = {}
+# The tensors the tail check cuts its buffer into: tails of every length
+# under a block and whole blocks, in _RUN_MAX elements.
+_TAIL_PIECES = (16, 5, 37, 1, 64, 3, 300, 13, 31, 128, 2) * 6
 
 
-def _foreach_alike(original, f: _Functional, arguments: dict) -> bool:
+def _config(f: _Functional, arguments: dict):
+    """What chooses the ops a call runs (the functional, its flags, which of
+    weight decay or momentum are on), or None where a hyperparameter is not
+    a Python number (a Tensor lr: the multi-tensor path refuses it)."""
+    if not all(type(arguments[name]) in (float, int) for name in f.scalars):
+        return None
+    return (f.name, tuple(bool(arguments.get(name)) for name in f.flags),
+            tuple(arguments[name] == 0 for name in f.scalars))
+
+
+def _foreach_alike(original, f: _Functional, arguments: dict, config) -> bool:
     """Whether this call, which would take torch's single-tensor path on the
     CPU, can take its multi-tensor path instead (checked once per
-    configuration: ``_check_foreach_alike``)."""
-    if (arguments.get("foreach") is not None or arguments.get("fused") is not None or arguments.get("capturable")
-            or arguments.get("differentiable") or arguments["params"][0].device.type != "cpu"):
+    configuration and dtypes)."""
+    if (config is None or arguments.get("foreach") is not None or arguments.get("fused") is not None
+            or arguments.get("capturable") or arguments.get("differentiable")
+            or arguments["params"][0].device.type != "cpu"):
         return False
-    if not all(type(arguments[name]) in (float, int) for name in f.scalars):
-        return False
-    flags = tuple(bool(arguments.get(name)) for name in f.flags)
-    zeros = tuple(arguments[name] == 0 for name in f.scalars)  # weight decay, momentum: ops that run or not
     dtypes = tuple(sorted(set(map(_DTYPE, arguments["params"])), key=str))
-    key = (f.name, flags, zeros, dtypes)
+    key = (config, dtypes)
     alike = _FOREACH_ALIKE.get(key)
     if alike is None:
-        alike = _FOREACH_ALIKE[key] = _check_foreach_alike(original, f, arguments, dtypes)
+        pieces = (1, 5, 37, 64, 300)
+        alike = _FOREACH_ALIKE[key] = _same(_synthetic_steps(original, f, arguments, dtypes, pieces, False),
+                                            _synthetic_steps(original, f, arguments, dtypes, pieces, True))
     return alike
 
 
-def _check_foreach_alike(original, f: _Functional, arguments: dict, dtypes: tuple) -> bool:
-    """Runs ``original`` with ``arguments``' hyperparameters on small
-    tensors of odd sizes, three steps, once per path: whether everything
-    (parameters, state, step counts, and the gradients, which neither may
-    change) came out bit for bit the same."""
-    def lists(seed: int) -> dict:
-        g = torch.Generator().manual_seed(seed)
-        out = {name: [] for name in f.lists}
-        for dtype in dtypes:
-            for numel in (1, 5, 37, 64, 300):
-                def value():
-                    return torch.randn(numel, generator=g).to(dtype)
-                out["params"].append(value())
-                for name in f.per_param[1:]:
-                    if arguments[name]:  # (the lists the call has: max_exp_avg_sqs with amsgrad)
-                        out[name].append(value() if name != "exp_avg_sqs" else value().abs())
-                if "state_steps" in out:
-                    out["state_steps"].append(torch.zeros((), dtype=arguments["state_steps"][0].dtype))
-        return out
+def _tails_alike(original, f: _Functional, arguments: dict, config) -> frozenset:
+    """The dtypes of this call whose shards a run may go on past though they
+    end in a tail: float32, where a check (once per configuration) found
+    tensors cut into pieces of every tail length stepped bit for bit as the
+    one uncut tensor (ATen's loops compute tails element by element; reduced
+    precision dtypes round them differently: measured). See [Note: adjacent
+    shards stepped as one tensor]."""
+    if config is None or torch.float32 not in set(map(_DTYPE, arguments["params"])):
+        return frozenset()
+    alike = _TAILS_ALIKE.get(config)
+    if alike is None:
+        whole = (sum(_TAIL_PIECES),)
+        alike = _TAILS_ALIKE[config] = _same(
+            _synthetic_steps(original, f, arguments, (torch.float32,), whole, False)[:-1],  # (step counts differ in number)
+            _synthetic_steps(original, f, arguments, (torch.float32,), _TAIL_PIECES, False)[:-1])
+    return frozenset((torch.float32,)) if alike else frozenset()
 
-    results = []
-    for foreach in (False, True):
-        tensors = lists(0)
-        grads = tensors[f.per_param[1]]
-        for step in range(3):
-            fresh = lists(step + 1)[f.per_param[1]]
-            for grad, new in zip(grads, fresh):
-                grad.copy_(new)
-            original(**{**arguments, **tensors, "foreach": foreach})
-            results.append([t.clone() for t in grads])  # as given: neither path may change them
-        results.append([t.clone() for name in f.lists for t in tensors[name]])
-    half = len(results) // 2
-    return all(a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
-               for mine, theirs in zip(results[:half], results[half:]) for a, b in zip(mine, theirs))
+
+def _synthetic_steps(original, f: _Functional, arguments: dict, dtypes: tuple, pieces: tuple,
+                     foreach: bool) -> list:
+    """Three steps of ``original``, with ``arguments``' hyperparameters and
+    ``foreach``, on random buffers (one per list the call has and dtype,
+    ``sum(pieces)`` elements) cut into ``pieces``: the gradients after each
+    step (neither path may change them), then every buffer, the step counts'
+    last. The same values for the same dtypes and total."""
+    g = torch.Generator().manual_seed(0)
+    n = len(pieces)
+    lists = {name: [] for name in f.lists}
+    buffers, steps = [], []
+    for dtype in dtypes:
+        for name in f.lists:
+            if name == "state_steps":
+                counts = torch.zeros(n, dtype=arguments["state_steps"][0].dtype)
+                lists[name] += list(counts.unbind())
+                steps.append(counts)
+            elif arguments[name]:  # (the lists the call has: max_exp_avg_sqs under amsgrad)
+                buffer = torch.randn(sum(pieces), generator=g).to(dtype)
+                if name.endswith("sqs"):
+                    buffer.abs_()
+                lists[name] += list(buffer.split(pieces))
+                buffers.append((name, buffer))
+    grads = [buffer for name, buffer in buffers if name == f.per_param[1]]
+    seen = []
+    for _ in range(3):
+        for grad in grads:
+            grad.copy_(torch.randn(grad.numel(), generator=g).to(grad.dtype))
+        original(**{**arguments, **lists, "foreach": foreach})
+        seen += [grad.clone() for grad in grads]
+    return seen + [buffer for _, buffer in buffers] + [torch.cat(steps) if steps else torch.zeros(0)]
+
+
+def _same(mine: list, theirs: list) -> bool:
+    """Bit for bit."""
+    return len(mine) == len(theirs) and all(
+        a.shape == b.shape and a.dtype == b.dtype and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
+        for a, b in zip(mine, theirs))
 
 
 def _call_in_pieces(original, f: _Functional, arguments: dict) -> None:

@@ -685,7 +685,8 @@ class _RunsNet(nn.Module):
     the rest of it, 160 (1,952) floats, then the bias's and the norm's 64
     each (a run of 4); the 64 -> 63 block gives
     rank 1 1,984 floats of the weight and the 63-float bias (a run ending in
-    a tail); the root's pieces (124 floats then 4 on rank 1) form none."""
+    a tail); the root's pieces (124 floats then 4 on rank 1) form one where
+    float32 tails were found to step alike (``_tails_alike``), else none."""
 
     def __init__(self):
         from fsdp_harness import IN, OUT
@@ -708,7 +709,7 @@ def _fsdp1_runs_rank(rank, world_size, scenarios):
     from fsdp_harness import MODELS as models
     from fsdp_harness import train
 
-    from pydist.fsdp._optim_step import LOCAL_SHARD_RUNS
+    from pydist.fsdp._optim_step import _TAILS_ALIKE, LOCAL_SHARD_RUNS
 
     models["runs"] = _RunsNet
     out = []
@@ -716,7 +717,9 @@ def _fsdp1_runs_rank(rank, world_size, scenarios):
         ref = train(rank, world_size, sc, "torch")
         before = sum(LOCAL_SHARD_RUNS.values())
         got = train(rank, world_size, sc, "pydist")
-        out.append((ref, got, sum(LOCAL_SHARD_RUNS.values()) - before))
+        tails = [alike for config, alike in _TAILS_ALIKE.items() if config[0] == sc.optimizer]
+        assert len(tails) == 1, _TAILS_ALIKE
+        out.append((ref, got, sum(LOCAL_SHARD_RUNS.values()) - before, tails[0]))
     return out
 
 
@@ -728,11 +731,11 @@ def test_fsdp1_shards_stepped_in_runs_bitwise_as_torchs():
     scenarios = [Scenario(api="fsdp1", model="runs", optimizer=name, steps=4, shm=True) for name in ("adam", "sgd")]
     results = run_ranks(_fsdp1_runs_rank, 2, args=(scenarios,), timeout=140)
     for rank, per_rank in enumerate(results):
-        for sc, (ref, got, runs) in zip(scenarios, per_rank):
+        for sc, (ref, got, runs, tails) in zip(scenarios, per_rank):
             where = f"rank {rank} {sc.optimizer}"
             assert_close(ref.losses, got.losses, True, f"{where} losses")
             assert sorted(ref.params) == sorted(got.params), where
             for k in ref.params:
                 assert_close(ref.params[k], got.params[k], True, f"{where} param {k}")
             steps_with_state = sc.steps - (sc.optimizer == "sgd")
-            assert runs == (4 * steps_with_state if rank == 1 else 0), f"{where}: {runs} runs stepped"
+            assert runs == ((4 + tails) * steps_with_state if rank == 1 else 0), f"{where}: {runs} runs stepped"

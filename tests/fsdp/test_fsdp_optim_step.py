@@ -81,13 +81,17 @@ def _run_model():
     element, which a run going on past it would vectorize (some elements
     round differently, under SGD's ``add(alpha=)``: the test fails with
     ``_RUN_BYTES`` at 2); the root 256, 4 (rank 0: a run), 0, 0 (rank 1:
-    nothing to step)."""
+    nothing to step). And on both ranks a unit of 4096, 64, 64, 64, 4096,
+    128, 128, 128: one run where float32 tails step alike (checked once per
+    configuration, ``_tails_alike``), else two (the 64-byte shards end
+    theirs)."""
     return nn.Sequential(nn.Sequential(nn.Linear(6, 64), nn.LayerNorm(64)),
+                         nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 64), nn.LayerNorm(64)),
                          nn.Sequential(nn.Linear(64, 63), nn.Tanh()), _Bf16Block(), nn.Linear(64, 1))
 
 
 def _run_units(model):
-    return (model[0], model[1], model[2])
+    return (model[0], model[1], model[2], model[3])
 
 
 def _train(fully_shard, rank: int, config, build=_model, units=_units) -> dict:
@@ -180,9 +184,9 @@ def _runs_rank(rank, world_size):
     mismatches, runs = [], {}
     for config in CONFIGS:
         ref = _train(torch_fully_shard, rank, config, _run_model, _run_units)
-        before = sum(LOCAL_SHARD_RUNS.values())
+        before = LOCAL_SHARD_RUNS.copy()
         got = _train(pydist.fully_shard, rank, config, _run_model, _run_units)
-        runs[config[0]] = sum(LOCAL_SHARD_RUNS.values()) - before
+        runs[config[0]] = dict(LOCAL_SHARD_RUNS - before)
         bitwise_mismatches(ref, got, config[0], mismatches)
     return {"mismatches": mismatches, "runs": runs, "repointed": _repointed_shard_steps(pydist.fully_shard)}
 
@@ -289,10 +293,49 @@ def test_adjacent_shards_stepped_as_one_tensor_are_torch_fsdp2s_bitwise():
     for rank, r in enumerate(run_ranks(_runs_rank, 2, timeout=120)):
         assert not r["mismatches"], f"rank {rank}: " + "; ".join(r["mismatches"][:8])
         assert r["repointed"], f"rank {rank}: a shard re-pointed with set_ was not stepped where it is"
-        per_step = 5 if rank == 0 else 3
         for name, cls, kwargs in CONFIGS:
             # The steps on local shards but set_optimizer_state_dict's, whose
             # zero gradients torch makes one by one (not adjacent).
             steps = 3 * STEPS - 1 if cls == "SGD" else 3 * STEPS
-            expected = 0 if kwargs.get("foreach") or kwargs.get("fused") else steps * per_step
-            assert r["runs"][name] == expected, f"rank {rank}: {name} stepped {r['runs']} runs"
+            functional = "sgd" if cls == "SGD" else "adam"
+            tails = f"{functional} over float32 tails" in r["runs"][name]  # what pydist's check found
+            per_step = (5 if rank == 0 else 3) + (1 if tails else 2)
+            expected = {} if kwargs.get("foreach") or kwargs.get("fused") else {
+                f"{functional} over float32 tails" if tails else functional: steps * per_step}
+            assert r["runs"][name] == expected, f"rank {rank}: {name} stepped {r['runs'][name]} runs"
+
+
+def _fake_sgd(perturb):
+    """An SGD functional (the arguments torch's takes) whose update is
+    ``perturb``ed where ``perturb(param, foreach)`` says: what the checks
+    must catch."""
+    def sgd(params, d_p_list, momentum_buffer_list, has_sparse_grad=False, foreach=None, fused=None,
+            grad_scale=None, found_inf=None, *, weight_decay, momentum, lr, dampening, nesterov, maximize):
+        for p, g in zip(params, d_p_list):
+            p.add_(g, alpha=-lr)
+            if perturb(p, foreach):
+                p.nextafter_(torch.full_like(p, float("inf")))  # one ulp
+    return sgd
+
+
+def test_checks_refuse_paths_that_round_otherwise(monkeypatch):
+    """``_tails_alike`` and ``_foreach_alike`` (see [Note: torch's foreach
+    ops in place of its per-parameter loop]) find a functional whose
+    tensors shorter than a block, or whose multi-tensor path, step one ulp
+    off, and agree where nothing differs."""
+    from pydist.fsdp import _optim_step as o
+
+    f = next(x for x in o._FUNCTIONALS if x.name == "sgd")
+    shard = torch.zeros(3)
+    args = dict(params=[shard], d_p_list=[shard.clone()], momentum_buffer_list=[shard.clone()], lr=0.1,
+                weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False, maximize=False)
+    config = o._config(f, args)
+    faithful, short, multi = (_fake_sgd(lambda p, foreach: False), _fake_sgd(lambda p, foreach: p.numel() < 32),
+                              _fake_sgd(lambda p, foreach: foreach))
+    for functional, tails, foreach in ((faithful, {torch.float32}, True), (short, set(), True), (multi, {torch.float32}, False)):
+        monkeypatch.setattr(o, "_TAILS_ALIKE", {})
+        monkeypatch.setattr(o, "_FOREACH_ALIKE", {})
+        assert o._tails_alike(functional, f, args, config) == tails
+        assert o._foreach_alike(functional, f, args, config) == foreach
+    args["lr"] = torch.tensor(0.1)  # a Tensor lr: no configuration, neither path swapped
+    assert o._config(f, args) is None
