@@ -594,7 +594,10 @@ def _foreach_alike(original, f: _Functional, arguments: dict, config) -> bool:
             or arguments.get("capturable") or arguments.get("differentiable")
             or arguments["params"][0].device.type != "cpu"):
         return False
-    dtypes = tuple(sorted(set(map(_DTYPE, arguments["params"])), key=str))
+    param_dtypes = list(map(_DTYPE, arguments["params"]))
+    if list(map(_DTYPE, arguments[f.per_param[1]])) != param_dtypes:
+        return False  # gradients of other dtypes: what each path does with them is not checked
+    dtypes = tuple(sorted(set(param_dtypes), key=str))
     key = (config, dtypes)
     alike = _FOREACH_ALIKE.get(key)
     if alike is None:
