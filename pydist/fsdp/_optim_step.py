@@ -571,9 +571,9 @@ _FOREACH_ELEMENTS = 1 << 20
 # torch's two paths step alike; whether a shard's tail steps as the rest.
 _FOREACH_ALIKE: dict = {}
 _TAILS_ALIKE: dict = {}
-# The tensors the tail check cuts its buffer into: tails of every length
-# under a block and whole blocks, in _RUN_MAX elements.
-_TAIL_PIECES = (16, 5, 37, 1, 64, 3, 300, 13, 31, 128, 2) * 6
+# The tensors the tail check cuts its buffer into: every length under a
+# float32 block (all tail), blocks with tails, whole blocks; under _RUN_MAX.
+_TAIL_PIECES = (*range(1, 33), *range(33, 64, 3), 64, 300) * 3
 
 
 def _config(f: _Functional, arguments: dict):
@@ -620,8 +620,8 @@ def _tails_alike(original, f: _Functional, arguments: dict, config) -> frozenset
     if alike is None:
         whole = (sum(_TAIL_PIECES),)
         alike = _TAILS_ALIKE[config] = _same(
-            _synthetic_steps(original, f, arguments, (torch.float32,), whole, False)[:-1],  # (step counts differ in number)
-            _synthetic_steps(original, f, arguments, (torch.float32,), _TAIL_PIECES, False)[:-1])
+            _synthetic_steps(original, f, arguments, (torch.float32,), whole, False)[:-1],  # (not the step counts:
+            _synthetic_steps(original, f, arguments, (torch.float32,), _TAIL_PIECES, False)[:-1])  # one per piece)
     return frozenset((torch.float32,)) if alike else frozenset()
 
 
@@ -661,8 +661,8 @@ def _synthetic_steps(original, f: _Functional, arguments: dict, dtypes: tuple, p
 def _same(mine: list, theirs: list) -> bool:
     """Bit for bit."""
     return len(mine) == len(theirs) and all(
-        a.shape == b.shape and a.dtype == b.dtype and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
-        for a, b in zip(mine, theirs))
+        a.shape == b.shape and a.dtype == b.dtype
+        and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)) for a, b in zip(mine, theirs))
 
 
 def _call_in_pieces(original, f: _Functional, arguments: dict) -> None:

@@ -332,7 +332,8 @@ def test_checks_refuse_paths_that_round_otherwise(monkeypatch):
     config = o._config(f, args)
     faithful, short, multi = (_fake_sgd(lambda p, foreach: False), _fake_sgd(lambda p, foreach: p.numel() < 32),
                               _fake_sgd(lambda p, foreach: foreach))
-    for functional, tails, foreach in ((faithful, {torch.float32}, True), (short, set(), True), (multi, {torch.float32}, False)):
+    for functional, tails, foreach in ((faithful, {torch.float32}, True), (short, set(), True),
+                                       (multi, {torch.float32}, False)):
         monkeypatch.setattr(o, "_TAILS_ALIKE", {})
         monkeypatch.setattr(o, "_FOREACH_ALIKE", {})
         assert o._tails_alike(functional, f, args, config) == tails
