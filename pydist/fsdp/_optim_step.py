@@ -219,9 +219,10 @@ def _on_local_shards(original, f: _Functional):
         else:
             return original(*args, **kwargs)
         config = _config(f, local)
-        runs = _in_runs(local, f, _tails_alike(original, f, local, config))
+        dtypes = frozenset(map(_DTYPE, local["params"]))  # (runs keep them: a run is of one dtype)
+        runs = _in_runs(local, f, _tails_alike(original, f, local, config, dtypes))
         arguments, plan = runs if runs is not None else (local, None)
-        if _foreach_alike(original, f, arguments, config):
+        if _foreach_alike(original, f, arguments, config, dtypes):
             LOCAL_SHARD_FOREACH[f.name] += 1
             _call_in_pieces(original, f, arguments)
             result = None
@@ -586,35 +587,33 @@ def _config(f: _Functional, arguments: dict):
             tuple(arguments[name] == 0 for name in f.scalars))
 
 
-def _foreach_alike(original, f: _Functional, arguments: dict, config) -> bool:
-    """Whether this call, which would take torch's single-tensor path on the
-    CPU, can take its multi-tensor path instead (checked once per
-    configuration and dtypes)."""
+def _foreach_alike(original, f: _Functional, arguments: dict, config, dtypes: frozenset) -> bool:
+    """Whether this call (its parameters of ``dtypes``), which would take
+    torch's single-tensor path on the CPU, can take its multi-tensor path
+    instead (checked once per configuration and dtypes)."""
     if (config is None or arguments.get("foreach") is not None or arguments.get("fused") is not None
             or arguments.get("capturable") or arguments.get("differentiable")
             or arguments["params"][0].device.type != "cpu"):
         return False
-    param_dtypes = list(map(_DTYPE, arguments["params"]))
-    if list(map(_DTYPE, arguments[f.per_param[1]])) != param_dtypes:
+    if list(map(_DTYPE, arguments[f.per_param[1]])) != list(map(_DTYPE, arguments["params"])):
         return False  # gradients of other dtypes: what each path does with them is not checked
-    dtypes = tuple(sorted(set(param_dtypes), key=str))
     key = (config, dtypes)
     alike = _FOREACH_ALIKE.get(key)
     if alike is None:
-        pieces = (1, 5, 37, 64, 300)
-        alike = _FOREACH_ALIKE[key] = _same(_synthetic_steps(original, f, arguments, dtypes, pieces, False),
-                                            _synthetic_steps(original, f, arguments, dtypes, pieces, True))
+        pieces, ordered = (1, 5, 37, 64, 300), sorted(dtypes, key=str)
+        alike = _FOREACH_ALIKE[key] = _same(_synthetic_steps(original, f, arguments, ordered, pieces, False),
+                                            _synthetic_steps(original, f, arguments, ordered, pieces, True))
     return alike
 
 
-def _tails_alike(original, f: _Functional, arguments: dict, config) -> frozenset:
-    """The dtypes of this call whose shards a run may go on past though they
-    end in a tail: float32, where a check (once per configuration) found
-    tensors cut into pieces of every tail length stepped bit for bit as the
-    one uncut tensor (ATen's loops compute tails element by element; reduced
-    precision dtypes round them differently: measured). See [Note: adjacent
-    shards stepped as one tensor]."""
-    if config is None or torch.float32 not in set(map(_DTYPE, arguments["params"])):
+def _tails_alike(original, f: _Functional, arguments: dict, config, dtypes: frozenset) -> frozenset:
+    """Of this call's parameters' ``dtypes``, those whose shards a run may go
+    on past though they end in a tail: float32, where a check (once per
+    configuration) found tensors cut into pieces of every tail length
+    stepped bit for bit as the one uncut tensor (ATen's loops compute tails
+    element by element; reduced precision dtypes round them differently:
+    measured). See [Note: adjacent shards stepped as one tensor]."""
+    if config is None or torch.float32 not in dtypes:
         return frozenset()
     alike = _TAILS_ALIKE.get(config)
     if alike is None:

@@ -336,7 +336,7 @@ def test_checks_refuse_paths_that_round_otherwise(monkeypatch):
                                        (multi, {torch.float32}, False)):
         monkeypatch.setattr(o, "_TAILS_ALIKE", {})
         monkeypatch.setattr(o, "_FOREACH_ALIKE", {})
-        assert o._tails_alike(functional, f, args, config) == tails
-        assert o._foreach_alike(functional, f, args, config) == foreach
+        assert o._tails_alike(functional, f, args, config, frozenset({torch.float32})) == tails
+        assert o._foreach_alike(functional, f, args, config, frozenset({torch.float32})) == foreach
     args["lr"] = torch.tensor(0.1)  # a Tensor lr: no configuration, neither path swapped
     assert o._config(f, args) is None
