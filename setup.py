@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import setup
 
@@ -182,9 +183,22 @@ def extension():
     return cpp_extension.CppExtension(sources=srcs, extra_compile_args={"cxx": cxx_flags}, **kwargs)
 
 
+class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's ninja build, its objects kept in build/ under the sources.
+
+    pip's builds (``pip install -e .``, editable or not) hand build_ext a fresh
+    temporary directory, so every install recompiled every translation unit
+    (minutes). In build/temp.<platform>-<python>, the directory
+    ``setup.py build_ext --inplace`` uses too, ninja recompiles only the
+    sources, and the headers they include, that changed since the last build."""
+
+    def finalize_options(self):
+        if self.build_temp is None:
+            self.build_temp = os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-"
+                                           f"{sys.implementation.cache_tag}")
+        super().finalize_options()
+
+
 # Name, version, packages and dependencies live in pyproject.toml; setup.py
 # adds only what must be computed: the extension, against the installed torch.
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension})
