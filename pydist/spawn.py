@@ -13,6 +13,20 @@ that rank's traceback. A run that outlives ``timeout`` seconds is killed and
 raises ``RanksTimedOut`` naming the ranks that had not finished. The process
 group gets the same timeout, so a collective whose peer is gone errors out
 in the surviving ranks instead of blocking them.
+
+[Note: ranks from a forkserver]
+A spawned rank is a fresh interpreter that imports torch: about a second
+per rank, most of a short test's time (two ranks on two cores, ~2 s a
+call). ``start_method="forkserver"`` (or ``PYDIST_RUN_RANKS_START``; the
+test suite sets it in tests/conftest.py) forks each rank from one server
+process that imported torch and torch.distributed once (~0.2 s a call after
+the first). Nothing else is imported there: pydist, the test's module and
+``fn`` are imported in the rank, as under spawn. The server was started
+with the environment of the first call, so every rank is handed the
+caller's ``os.environ`` of its own call and installs it before running
+``fn``; what torch itself read at import (OMP_NUM_THREADS for the default
+thread count, TORCH_LOGS) is the server's. Benchmarks keep spawn, so the
+peak RSS they report is a fresh process's.
 """
 
 from __future__ import annotations
@@ -38,7 +52,14 @@ class RanksTimedOut(TimeoutError):
     """The ranks did not all finish within the timeout."""
 
 
-def _rank_main(fn, rank, world_size, args, backend, store_path, timeout, threads, results):
+START_METHOD_ENV = "PYDIST_RUN_RANKS_START"
+_PRELOAD = ["torch", "torch.distributed"]  # see [Note: ranks from a forkserver]
+
+
+def _rank_main(fn, rank, world_size, args, backend, store_path, timeout, threads, results, environ):
+    if os.environ != environ:  # a forkserver's rank: see [Note: ranks from a forkserver]
+        os.environ.clear()
+        os.environ.update(environ)
     # Errors are reported the moment they happen, before the process group is
     # torn down, so the parent hears of the root cause before its echoes
     # ("connection closed by peer") arrive from the other ranks.
@@ -71,22 +92,31 @@ def run_ranks(
     backend: str = "gloo",
     timeout: float = 120.0,
     threads: int | None = 1,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
     ``fn`` must be importable by name (a module-level function). Returns the
     ranks' return values in rank order. ``threads`` sets each rank's torch
-    intra-op threads (None leaves torch's default). See [Note: fail fast,
+    intra-op threads (None leaves torch's default). ``start_method``:
+    "spawn" (the default) or "forkserver" (see [Note: ranks from a
+    forkserver]); None reads PYDIST_RUN_RANKS_START. See [Note: fail fast,
     never hang].
     """
-    ctx = mp.get_context("spawn")
+    method = start_method or os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"run_ranks: start_method {method!r} (or {START_METHOD_ENV}) must be 'spawn' or 'forkserver'")
+    if method == "forkserver":
+        mp.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts: the first call
+    ctx = mp.get_context(method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="pydist-spawn-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, tuple(args), backend, store_path, timeout, threads, results),
+                args=(fn, rank, world_size, tuple(args), backend, store_path, timeout, threads, results,
+                      dict(os.environ)),
                 daemon=True,
                 name=f"pydist-rank-{rank}",
             )

@@ -8,6 +8,12 @@ import time
 import pytest
 import torch
 
+from pydist.spawn import START_METHOD_ENV
+
+# Ranks forked from a server that imported torch once: see [Note: ranks from
+# a forkserver] in pydist/spawn.py (a test may still name start_method).
+os.environ.setdefault(START_METHOD_ENV, "forkserver")
+
 
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
