@@ -63,7 +63,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["FSDPParam", "ParamModuleInfo", "as_dtensor", "dtensor_spec"]
+__all__ = ["FSDPParam", "ParamModuleInfo", "as_dtensor", "dtensor_parameter", "dtensor_spec"]
 
 
 def _replace(param: nn.Parameter, new: nn.Parameter, fqn: str) -> nn.Parameter:
@@ -117,6 +117,18 @@ def as_dtensor(local: torch.Tensor, spec):
     return _dtensor_maker()(_DTensor, local, spec, requires_grad=False)
 
 
+def dtensor_parameter(local: torch.Tensor, spec, requires_grad: bool) -> nn.Parameter:
+    """What ``nn.Parameter(as_dtensor(local, spec), requires_grad)`` gives (a
+    DTensor leaf marked ``_is_param``, so ``isinstance(p, nn.Parameter)``),
+    made directly: ``nn.Parameter`` would ``detach()`` the DTensor, a
+    dispatch whose first sharding propagation per shape builds a fake-tensor
+    mode that reads the source of every file on the stack into linecache
+    (0.8 MB on the 400-unit model), and gives each parameter a spec of its own."""
+    param = _dtensor_maker()(_DTensor, local, spec, requires_grad=requires_grad)
+    param._is_param = True
+    return param
+
+
 def _dtensor_maker():
     """DTensor's constructor as ``make(DTensor, local, spec, requires_grad=)``.
     A gradient is made per parameter and step: where torch has it (2.13),
@@ -155,7 +167,22 @@ def hand_out_dtensor_grads(params: Sequence[nn.Parameter], pieces: Sequence[torc
 def dtensor_spec(mesh, shape: torch.Size, dtype: torch.dtype):
     """The spec torch's FSDP2 gives a parameter of ``shape`` sharded on
     ``mesh``: ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on a
-    2-D ("replicate", "shard") one; contiguous strides."""
+    2-D ("replicate", "shard") one; contiguous strides. One object per mesh,
+    shape and dtype while a parameter holds it, shared as torch's sharding
+    propagation shares the specs of its cached outputs (a model of 400
+    units of four parameters needs four, not 1,600)."""
+    key = (id(mesh), tuple(shape), dtype)
+    spec = _specs.get(key)
+    if spec is None:  # a live spec holds its mesh, so the id is that mesh's
+        _specs[key] = spec = _new_dtensor_spec(mesh, shape, dtype)
+    return spec
+
+
+# dtensor_spec's specs, each while something (a parameter, its gradient) holds it.
+_specs: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _new_dtensor_spec(mesh, shape: torch.Size, dtype: torch.dtype):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -223,7 +250,7 @@ class FSDPParam:
         # (see [Note: DTensor parameters]); None: plain tensors.
         self.spec = spec
         if spec is not None:
-            self.sharded_param = _replace(param, nn.Parameter(as_dtensor(view, spec), requires_grad=param.requires_grad),
+            self.sharded_param = _replace(param, dtensor_parameter(view, spec, param.requires_grad),
                                           fqn)
         elif param.is_meta:
             self.sharded_param = nn.Parameter(view, requires_grad=param.requires_grad)
