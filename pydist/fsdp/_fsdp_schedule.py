@@ -67,23 +67,33 @@ from pydist.fsdp._fsdp_common import Phase, ShardedState, TrainingState
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, ReplicaReduce, _hand_out_grads
 
 __all__ = ["Schedule", "GatherPlan", "UnitRun", "unshard_units", "UnshardPool", "PoolSlot", "POOL_SLOTS",
-           "ReduceLayout", "GradBatch", "ReduceInputs", "cut_reduce_layouts", "DEFAULT_BATCH_BYTES"]
+           "ReduceLayout", "GradBatch", "ReduceInputs", "cut_reduce_layouts", "default_batch_bytes"]
 
 # The states the hot paths test by identity.
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
 _SHARDED, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDED
 
 # Unsharded bytes of parameters (and of gradients) a root gathers (reduces)
-# as one collective. Larger batches mean fewer collectives, and a collective
-# costs its ranks a rendezvous whatever it carries (on shared memory with
-# more ranks than cores, a scheduling turn of every rank); but a backward
-# holds about four batches' worth of unsharded memory at once (two pool
-# slots, two reduce inputs: see [Note: the unsharded buffer's memory] and
-# GradBatch), on top of what DDP would hold. Half the DDP reducer's 4 MiB
-# all-reduce chunk keeps both costs small: a few collectives a step for
-# models of many small units, and a peak below DDP's. Units larger than it
-# go alone.
-DEFAULT_BATCH_BYTES = 2 << 20
+# as one collective, unless set_collective_batch_bytes says otherwise.
+# Larger batches mean fewer collectives, and a collective costs its ranks a
+# rendezvous whatever it carries (on shared memory with more ranks than
+# cores, a scheduling turn of every rank); but a backward holds about four
+# batches' worth of unsharded memory at once (two pool slots, two reduce
+# inputs: see [Note: the unsharded buffer's memory] and GradBatch), on top
+# of what the shards hold. So the default grows with the ranks the
+# collective joins: 256 KiB of each rank's shard, at most 2 MiB (half the
+# DDP reducer's 4 MiB all-reduce chunk). Measured on the 400-unit model of
+# benchmarks/bench_fsdp.py (2 cores): 2 ranks step as fast at 256 KiB-2 MiB
+# and peak 10 MB lower at 512 KiB than at 2 MiB; 4 ranks step about 7% slower
+# at 512 KiB than at 1-2 MiB and peak 8 MB lower at 1 MiB than at 2 MiB.
+# Units larger than a batch go alone.
+BATCH_BYTES_PER_RANK = 256 << 10
+MAX_DEFAULT_BATCH_BYTES = 2 << 20
+
+
+def default_batch_bytes(world_size: int) -> int:
+    """The batch a root of ``world_size`` sharding ranks uses by default."""
+    return min(BATCH_BYTES_PER_RANK * world_size, MAX_DEFAULT_BATCH_BYTES)
 
 
 class Schedule:

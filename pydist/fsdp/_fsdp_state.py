@@ -60,7 +60,7 @@ from pydist import _C
 from pydist.fsdp import _fsdp_collectives as collectives
 from pydist.fsdp._fsdp_common import Materializing, Phase, ShardedState, TrainingState, state_of
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup
-from pydist.fsdp._fsdp_schedule import DEFAULT_BATCH_BYTES, Schedule
+from pydist.fsdp._fsdp_schedule import Schedule, default_batch_bytes
 
 __all__ = ["FSDPState", "state_of"]
 
@@ -176,8 +176,9 @@ class FSDPState:
         self._last_hook: _OutputHook | None = None
         self._last_gate = None  # the _C.OutputGate _last_hook is called through
         # How many unsharded bytes the root's schedule sends as one
-        # collective (set_collective_batch_bytes; read on the root only).
-        self.batch_bytes = DEFAULT_BATCH_BYTES
+        # collective (set_collective_batch_bytes; read on the root only);
+        # None: default_batch_bytes of the units' sharding ranks.
+        self.batch_bytes: int | None = None
         # Root only, from its lazy init: its plans, reduce batches and unshard
         # pool (see [Note: gather and reduce plans] in _fsdp_schedule.py).
         self.schedule: Schedule | None = None
@@ -220,7 +221,7 @@ class FSDPState:
                 raise NotImplementedError(
                     "pydist.fully_shard: every unit under one root must shard over the same group (mesh)"
                 )
-            if state is not self and state.batch_bytes != DEFAULT_BATCH_BYTES:
+            if state is not self and state.batch_bytes is not None:
                 state.refuse_batch_bytes_off_root(self, name)
             if state.param_group is not None and state.param_group.materializing is Materializing.META:
                 state.param_group.shard_materialized()  # raises: to_empty first
@@ -385,13 +386,19 @@ class FSDPState:
                     "fully_shard. See [Note: every rank builds the same model] in pydist/fsdp/_fsdp_state.py"
                 )
 
+    def _batch_bytes(self) -> int:
+        """Root: the unsharded bytes its plans put in one collective."""
+        if self.batch_bytes is not None:
+            return self.batch_bytes
+        return default_batch_bytes(max((pg.shard_world_size for pg in self._units), default=1))
+
     def refuse_batch_bytes_off_root(self, root: FSDPState, name: str) -> None:
         """``name``: this module's path under ``root``'s module."""
         raise ValueError(
             f"pydist.fully_shard: set_collective_batch_bytes was called on {name!r} "
             f"({type(self.module).__name__}), which is not a root: its root is the "
             f"{type(root.module).__name__} whose forward runs it, and the root plans every unit's collectives. "
-            f"Call it on the root, and set {name!r} back to the default ({DEFAULT_BATCH_BYTES}) or never call it there"
+            f"Call it on the root, and set {name!r} back to the default (None) or never call it there"
         )
 
     # [Note: an iteration that raised]
@@ -450,7 +457,7 @@ class FSDPState:
         self.iteration += 1
         if self.subscribers:
             self.forward_start_ns, self.backward_start_ns = time.monotonic_ns(), -1
-        self.schedule.plan_forward(self.forward_order, self.batch_bytes, self._units)
+        self.schedule.plan_forward(self.forward_order, self._batch_bytes(), self._units)
         self.forward_order = []
         self.final_callback_queued = False
         self.backward_end_ns = -1
@@ -825,7 +832,7 @@ class FSDPState:
             self.backward_start_ns = time.monotonic_ns()
         self.final_callback_queued = True
         Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-        self.schedule.plan_backward(self.forward_order, self.batch_bytes, self.late_posters)
+        self.schedule.plan_backward(self.forward_order, self._batch_bytes(), self.late_posters)
 
     def _pre_backward(self) -> None:
         root = self.root

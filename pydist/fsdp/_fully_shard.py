@@ -26,7 +26,7 @@ from torch.nn.modules import module as _module_hooks
 
 from pydist.fsdp._fsdp_param import ParamModuleInfo
 from pydist.fsdp._fsdp_param_group import FSDPParamGroup, Layout
-from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES, FSDPState, state_of
+from pydist.fsdp._fsdp_state import FSDPState, state_of
 from pydist.fsdp._optim_step import install_local_shard_step
 from pydist.fsdp._state_dict import install_torch_checkpoint_api, register_state_dict_hooks
 
@@ -394,18 +394,19 @@ class UnitModule:
     def set_modules_to_backward_prefetch(self, modules: Iterable[nn.Module]) -> None:
         state_of(self).backward_prefetch = [_state_or_raise(m) for m in modules]
 
-    def set_collective_batch_bytes(self, nbytes: int) -> None:
+    def set_collective_batch_bytes(self, nbytes: int | None) -> None:
         """pydist's own, on the root: how many unsharded bytes of consecutive
         units' parameters (and gradients) go as one all-gather (reduce-scatter);
-        0: every unit alone. See [Note: gather and reduce plans]
+        0: every unit alone; None: the default, 256 KiB per sharding rank up
+        to 2 MiB. See [Note: gather and reduce plans]
         (pydist/fsdp/_fsdp_schedule.py). Takes effect from the next forward."""
-        if nbytes < 0:
-            raise ValueError(f"set_collective_batch_bytes: nbytes must be >= 0, got {nbytes}")
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"set_collective_batch_bytes: nbytes must be >= 0 or None, got {nbytes}")
         state = state_of(self)
-        if state.root is not None and state.root is not state and nbytes != DEFAULT_BATCH_BYTES:
+        if state.root is not None and state.root is not state and nbytes is not None:
             root = state.root
             state.refuse_batch_bytes_off_root(root, next(n for n, m in root.module.named_modules() if m is self))
-        state.batch_bytes = int(nbytes)
+        state.batch_bytes = None if nbytes is None else int(nbytes)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         raise NotImplementedError("pydist.fully_shard: set_is_last_backward is not implemented yet")

@@ -47,7 +47,6 @@ def _message(fn) -> str:
 def _misuse_rank(rank, world_size):
     from pydist import fully_shard
     from pydist.fsdp import last_iteration_record
-    from pydist.fsdp._fsdp_state import DEFAULT_BATCH_BYTES
 
     out = {}
     x = torch.randn(3, 4)
@@ -81,7 +80,7 @@ def _misuse_rank(rank, world_size):
     model[0].set_collective_batch_bytes(0)
     out["batch_bytes_before"] = _message(lambda: model(x))
     # Refused before any state changed: put back, set on the root, the model trains.
-    model[0].set_collective_batch_bytes(DEFAULT_BATCH_BYTES)
+    model[0].set_collective_batch_bytes(None)
     model.set_collective_batch_bytes(0)
     model(x).sum().backward()
     out["batch_bytes_fixed"] = [pg.had_grad is None and pg.transport is not None for pg in model._param_groups(True)]

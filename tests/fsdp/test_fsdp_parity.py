@@ -63,9 +63,9 @@ def test_fully_shard_close_at_four_ranks():
 
 def _scenarios_with_batch_bytes(rank, world_size, scenarios, batch_bytes):
     """run_scenarios with every root's collective batch at ``batch_bytes``."""
-    from pydist.fsdp import _fsdp_state
+    from pydist.fsdp import _fsdp_schedule
 
-    _fsdp_state.DEFAULT_BATCH_BYTES = batch_bytes
+    _fsdp_schedule.BATCH_BYTES_PER_RANK = batch_bytes // world_size
     return run_scenarios(rank, world_size, scenarios)
 
 

@@ -479,3 +479,38 @@ def test_exposed_time_counts_a_batched_wait_once():
     record = IterationRecord(batch + [alone, overlapping, unstamped], backward_end_ns=200)
     assert [r.exposed_ns for r in batch] == [60, 60, 60]
     assert record.exposed_ns() == 20 + 60 + 30
+
+
+UNIT_ROWS, UNITS = 128, 30  # Linear(128, 128): 66,048 unsharded bytes a unit
+
+
+def _forward_batches_rank(rank, world_size):
+    """How many all-gathers the root's second forward issues for UNITS
+    equal units under the default batch size, and that default."""
+    from pydist.fsdp import last_iteration_record
+    from pydist.fsdp._fsdp_schedule import default_batch_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(UNIT_ROWS, UNIT_ROWS) for _ in range(UNITS)])
+    for layer in model:
+        fully_shard(layer, shm=True)
+    fully_shard(model, shm=True)
+    for _ in range(2):  # the first forward learns the order; the second gathers by the plan
+        model(torch.randn(2, UNIT_ROWS)).sum().backward()
+    gathers = [r for r in last_iteration_record(model).collectives
+               if r.kind == "all_gather" and r.phase in ("forward", "forward_prefetch")]
+    return len({r.issued_ns for r in gathers}), default_batch_bytes(world_size)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_default_batch_grows_with_the_sharding_ranks(world_size):
+    """256 KiB of each rank's shard per collective, up to 2 MiB: 7 units a
+    batch at 2 ranks, 15 at 4 (a fixed 2 MiB would gather all 30 in one), so
+    a backward's transient memory (two pool slots, two reduce inputs) stays
+    small where the collectives are cheap. See BATCH_BYTES_PER_RANK."""
+    unit_bytes = (UNIT_ROWS * UNIT_ROWS + UNIT_ROWS) * 4
+    for batches, default in run_ranks(_forward_batches_rank, world_size, timeout=100):
+        assert default == min(256 * 1024 * world_size, 2 << 20)
+        per_batch = default // unit_bytes
+        assert batches == -(-UNITS // per_batch) == {2: 5, 4: 2}[world_size], (batches, default)
