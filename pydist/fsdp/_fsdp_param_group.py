@@ -336,8 +336,11 @@ class FSDPParamGroup:
         self._column_params = _column_params(self.fsdp_params, self.columns)
         # Per rank, each column's cut of the unsharded buffer: what a batched
         # all-gather copies into. Views, valid across resizes, made at the
-        # first (a view cannot be made while the buffer has no memory).
+        # first (a view cannot be made while the buffer has no memory); with
+        # them, each column's cut of the shard (what it sends), made once
+        # for every batch the unit is in (forward's and backward's).
         self.rank_views: list[list[torch.Tensor]] | None = None
+        self.shard_views: list[torch.Tensor] | None = None
         # Where each parameter's part of the reduced output starts: the
         # output is laid out as the shard buffer is.
         for fp in self.fsdp_params:
@@ -692,6 +695,7 @@ class FSDPParamGroup:
         self.sharded_state = _UNSHARDING
         if batched and self.rank_views is None:
             self.rank_views = self.cut_views(self.unsharded)
+            self.shard_views = self.shard_cuts(self.shard)
 
     def gathering(self, future) -> None:
         """``future``: the all-gather just issued for it (and its batch)."""

@@ -561,7 +561,7 @@ def unshard_units(groups: Sequence[FSDPParamGroup], phase: Phase) -> None:
     # The same units gather as one batch every iteration: their tensors'
     # lists are made once (the shards, buffers and views are the units' for good).
     if cached is None:
-        cached = first._gather_lists = (groups, [cut for g in groups for cut in g.shard_cuts(g.shard)],
+        cached = first._gather_lists = (groups, [cut for g in groups for cut in g.shard_views],
                                         tuple(g.unsharded for g in groups),
                                         collectives.rank_major([g.rank_views for g in groups], first.world_size))
     future = collectives.all_gather_units(first.transport, cached[1], cached[2], cached[3], first.compute_dtype)
