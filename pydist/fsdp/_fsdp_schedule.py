@@ -84,9 +84,9 @@ _SHARDED, _UNSHARDED = ShardedState.SHARDED, ShardedState.UNSHARDED
 # collective joins: 256 KiB of each rank's shard, at most 2 MiB (half the
 # DDP reducer's 4 MiB all-reduce chunk). Measured on the 400-unit model of
 # benchmarks/bench_fsdp.py (2 cores): 2 ranks step as fast at 256 KiB-2 MiB
-# and peak 10 MB lower at 512 KiB than at 2 MiB; 4 ranks step about 7% slower
-# at 512 KiB than at 1-2 MiB and peak 8 MB lower at 1 MiB than at 2 MiB.
-# Units larger than a batch go alone.
+# and peak 10 MB lower at 512 KiB than at 2 MiB; 4 ranks (two a core) peak 8
+# MB lower at 1 MiB than at 2 MiB and step up to ~10% slower, slower still
+# at 512 KiB. Units larger than a batch go alone.
 BATCH_BYTES_PER_RANK = 256 << 10
 MAX_DEFAULT_BATCH_BYTES = 2 << 20
 
