@@ -274,6 +274,8 @@ class FSDPState:
         self._built_checked = False  # see [Note: every rank builds the same model]
         # What the optimizer steps on, and the requires_grad each unit has taken up.
         self._units = [s.param_group for s in self.all_states if s.param_group is not None]
+        # The batch its plans use unless set_collective_batch_bytes says otherwise.
+        self._default_batch_bytes = default_batch_bytes(max((pg.shard_world_size for pg in self._units), default=1))
         # (state, unit, whether its hooks never take the fast path: the
         # root's, or a MixedPrecisionPolicy that casts inputs or outputs) per
         # unit: what the root's pre-forward resets and decides the fast paths
@@ -388,9 +390,7 @@ class FSDPState:
 
     def _batch_bytes(self) -> int:
         """Root: the unsharded bytes its plans put in one collective."""
-        if self.batch_bytes is not None:
-            return self.batch_bytes
-        return default_batch_bytes(max((pg.shard_world_size for pg in self._units), default=1))
+        return self._default_batch_bytes if self.batch_bytes is None else self.batch_bytes
 
     def refuse_batch_bytes_off_root(self, root: FSDPState, name: str) -> None:
         """``name``: this module's path under ``root``'s module."""
