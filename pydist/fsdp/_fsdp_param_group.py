@@ -261,6 +261,9 @@ class FSDPParamGroup:
         # are reduced in.
         self.compute_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        # What the MixedPrecisionPolicy set of those two (None: follow the
+        # shards' dtype), for a cast of the unit (_retype).
+        self._mp_dtypes = (param_dtype, reduce_dtype)
         self.rank = rank
         # Ranks the parameters are sharded over: the group's size, or 1 for
         # NO_SHARD (every rank keeps everything, gradients are all-reduced).
@@ -524,17 +527,18 @@ class FSDPParamGroup:
     # Each rank materializes the unit in full once, as a model built on the
     # CPU and then fully_shard'ed does; every rank must initialize the same
     # values (the same seed), as then. The result is bitwise that model's.
-    def after_apply(self) -> None:
+    def after_apply(self) -> bool:
         """``Module._apply`` (to_empty, .to, .float ...) ran over the unit's
-        modules: a meta unit adopts the parameters it left there; any other
-        unit must still have its own in place, or raises."""
+        modules: a meta unit adopts the parameters it left there, a DTensor
+        unit those and their dtype; any other unit must still have its own in
+        place, or raises. Returns whether the unit's parameter objects or
+        dtype changed."""
         if self.dtensor:
-            self.adopt_registered("moving or casting a fully_shard'ed module (Module._apply: .to(), .float(), "
-                                  ".half() ...)")
-            return
+            return self.adopt_registered("moving or casting a fully_shard'ed module (Module._apply: .to(), "
+                                         ".float(), .half() ...)")
         if self.materializing:
             self._adopt_applied()
-            return
+            return True
         for fp in self.fsdp_params:
             for info in fp.module_infos:
                 current = info.module._parameters.get(info.name)
@@ -552,6 +556,7 @@ class FSDPParamGroup:
                         "(pydist shards parameters where they are; for a compute dtype, use "
                         "mp_policy=MixedPrecisionPolicy(...))"
                     )
+        return False
 
     def _adopt_applied(self) -> None:
         for fp in self.fsdp_params:
@@ -578,7 +583,7 @@ class FSDPParamGroup:
         self._sharded_regs = self._registrations("sharded_param")
         self._take_up_requires_grad()
 
-    def adopt_registered(self, what: str) -> None:
+    def adopt_registered(self, what: str) -> bool:
         """DTensor units: ``what`` (to_empty, ``load_state_dict(assign=True)``,
         a move or cast) may have put new DTensor parameters on the modules,
         or new local tensors in the old ones (``swap_tensors``). Each becomes
@@ -588,7 +593,11 @@ class FSDPParamGroup:
         in _fsdp_param.py."""
         from torch.distributed.tensor import DTensor
 
-        changed = False
+        registered = [fp.module_infos[0].module._parameters.get(fp.module_infos[0].name) for fp in self.fsdp_params]
+        dtypes = {p._local_tensor.dtype for p in registered if isinstance(p, DTensor) and not p._local_tensor.is_meta}
+        changed = self.materializing is None and len(dtypes) == 1 and self.dtype not in dtypes
+        if changed:
+            self._retype(dtypes.pop(), what)  # every parameter cast alike: the unit takes the dtype
         for fp in self.fsdp_params:
             first = fp.module_infos[0]
             p = first.module._parameters.get(first.name)
@@ -626,6 +635,39 @@ class FSDPParamGroup:
             self._take_up_requires_grad()
             if self.sharded_state is ShardedState.SHARDED:
                 _register(self._sharded_regs)
+        return changed
+
+    def _retype(self, dtype: torch.dtype, what: str) -> None:
+        """``what`` cast every parameter of this DTensor unit to ``dtype``
+        (``model.to(torch.float32)`` after fully_shard, as accelerate's FSDP2
+        preparation upcasts a model loaded in bf16): the unit takes the dtype
+        for its shards, and for compute and reduction unless its
+        MixedPrecisionPolicy set those. New shard and unsharded buffers; what
+        was made from the old ones goes (the caller copies the cast values
+        in). Between iterations only, as torch's FSDP2 (whose ``_apply``
+        reshards first) casts."""
+        busy = ("is unsharded" if self.sharded_state is not ShardedState.SHARDED
+                else "is in a forward or backward" if self.training_state is not TrainingState.IDLE
+                else "holds gradients not reduced yet (gradient sync off)" if self.has_pending_grads()
+                else "holds reduced gradients not all-reduced yet (set_requires_all_reduce(False))"
+                if self._partial is not None else None)
+        if busy is not None:
+            raise NotImplementedError(
+                f"pydist.fully_shard({self.label}): {what} cast the unit's parameters to {dtype} while the unit "
+                f"{busy}; cast the module between iterations, with its parameters resharded (model.reshard())")
+        param_dtype, reduce_dtype = self._mp_dtypes
+        self.dtype = dtype
+        self.compute_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)  # zero padding, as built
+        self.unsharded = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+        self.unsharded.untyped_storage().resize_(0)
+        self.unsharded_nbytes = self.padded_numel * self.unsharded.element_size()
+        for fp in self.fsdp_params:
+            fp.spec = dtensor_spec(fp.spec.mesh, fp.shape, dtype)
+            fp.unsharded_param = None  # made again, in the compute dtype, at the next unshard
+        self._unsharded_regs = self._unsharded_params = self._grad_pack = None
+        self.rank_views = self.shard_views = self._gather_lists = None
 
     def shard_materialized(self) -> None:
         """At the unit's first use: its full-size parameters (the user

@@ -130,6 +130,17 @@ class Schedule:
         self.forward_plan = GatherPlan(order, batch_bytes, Phase.FORWARD, self.forward_plan) if order else None
         self.backward_plan = None
 
+    def forget_plans(self, units: list[FSDPParamGroup]) -> None:
+        """Between iterations, after ``units`` changed (see
+        FSDPState.units_changed): no plan, reduce layout or batch's gather
+        lists is kept; the next forward plans as the first did."""
+        if self.forward_plan is not None:
+            self.forward_plan.reshard_kept()
+        self.forward_plan = self.backward_plan = self._last_backward_plan = None
+        self._reduce_layouts = None
+        for pg in units:
+            pg._gather_lists = None
+
     def take_grad_batches(self) -> list[GradBatch]:
         """Root final callback: this backward's reduce batches, handed over."""
         batches, self.grad_batches = self.grad_batches, []

@@ -287,6 +287,16 @@ class FSDPState:
         self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]  # (taken up)
         overlap_hooks.sharded_root(self)  # [overlap hook] PYDIST_TRACE subscribes
 
+    def units_changed(self) -> None:
+        """Root: a unit's parameter objects or dtype changed between
+        iterations (``Module._apply`` cast it, ``load_state_dict(assign=True)``):
+        what the root took from them goes, and the plans, cut by dtype and
+        bytes, are made afresh from the next forward, as at the first."""
+        self.schedule.forget_plans(self._units)
+        self.forward_order = []
+        self._sharded_params = [fp.sharded_param for pg in self._units for fp in pg.fsdp_params]
+        self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]
+
     def subscribe(self, subscriber) -> None:
         """Root: ``subscriber(record)`` is called at the end of every
         backward with that iteration's collectives, a

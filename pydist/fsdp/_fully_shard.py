@@ -104,8 +104,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy, replicate_group)
     register_state_dict_hooks(module)  # see [Note: the sharded state dict]
     if param_group is not None and param_group.dtensor:  # torch's reset after load_state_dict(assign=True)
-        module.register_load_state_dict_post_hook(
-            lambda *_: param_group.adopt_registered("load_state_dict(assign=True)"))
+        module.register_load_state_dict_post_hook(lambda *_: _adopt_registered(module, "load_state_dict(assign=True)"))
     install_torch_checkpoint_api()  # see [Note: torch's checkpoint helpers on pydist's shards]
     install_local_shard_step()  # see [Note: the optimizer step on local shards]
     # Libraries ask whether a module is FSDP-managed the way torch's
@@ -467,6 +466,7 @@ def fsdp2_mixin() -> type:
         return self
 
     def _apply(self, fn, recurse: bool = True):
+        self.reshard()  # as torch's: the sharded parameters are the ones registered, and the ones cast
         out = super(FSDPModule, self)._apply(fn, recurse)  # the wrapped class's, past torch's own
         _after_apply(self)
         return out
@@ -488,8 +488,14 @@ def unshard_handle() -> type:
 
 def _after_apply(module: nn.Module) -> None:
     state = state_of(module)
-    if state is not None and state.param_group is not None:
-        state.param_group.after_apply()
+    if state is not None and state.param_group is not None and state.param_group.after_apply() and state.root:
+        state.root.units_changed()
+
+
+def _adopt_registered(module: nn.Module, what: str) -> None:
+    state = state_of(module)
+    if state.param_group.adopt_registered(what) and state.root:
+        state.root.units_changed()
 
 
 def _not_implemented(name: str):
