@@ -588,9 +588,11 @@ class FSDPParamGroup:
         a move or cast) may have put new DTensor parameters on the modules,
         or new local tensors in the old ones (``swap_tensors``). Each becomes
         the sharded parameter; its local values go into the shard (a unit
-        still on the meta device: LOCAL, sharded at its first use). As
+        still on the meta device: LOCAL, sharded at its first use); all of
+        them cast to another dtype, the unit takes it (``_retype``). As
         torch FSDP2's ``reset_sharded_param``. See [Note: DTensor parameters]
-        in _fsdp_param.py."""
+        in _fsdp_param.py. Returns whether the parameter objects or the
+        dtype changed."""
         from torch.distributed.tensor import DTensor
 
         registered = [fp.module_infos[0].module._parameters.get(fp.module_infos[0].name) for fp in self.fsdp_params]
