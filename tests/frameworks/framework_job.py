@@ -1,5 +1,6 @@
 """One job under torchrun (2 CPU ranks): a tiny regression trained by
-accelerate's multi-CPU path and by Lightning's DDP strategy, first on pydist's
+accelerate's multi-CPU path, by Lightning's DDP strategy and by the HF
+Trainer (where transformers is installed), first on pydist's
 DDP through ``pydist.patch_torch()`` called before the frameworks are imported
 (as docs/frameworks.md shows), then, after ``undo()``, on torch's DDP from the
 same seed. Rank 0 saves what tests/frameworks/test_frameworks.py compares:
@@ -30,6 +31,11 @@ report = pydist.patch_torch(warn=False)
 import pytorch_lightning as pl  # noqa: E402  (after the patch: its strategy binds the class at import)
 from accelerate import Accelerator  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+try:
+    import transformers  # noqa: E402
+except ImportError:  # the test of the HF Trainer skips
+    transformers = None
 
 STEPS, BATCH = 4, 8  # per rank
 
@@ -87,13 +93,55 @@ def train_with_lightning():
     return module.wrapper, {k: v.clone() for k, v in module.net.state_dict().items()}
 
 
-results = {"pydist": {"accelerate": train_with_accelerate(), "lightning": train_with_lightning()},
+class RegressionForTrainer(torch.nn.Module):
+    """make_model's network as the HF Trainer takes a model: keyword
+    inputs, a dict with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+
+class TrainerData(torch.utils.data.Dataset):
+    def __init__(self):
+        self.data = make_data()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return {"x": x, "labels": y}
+
+
+def train_with_hf_trainer(run: str):
+    """The HF Trainer (it prepares through accelerate): AdamW, linear decay,
+    clipping, gradient accumulation over 2 micro-batches (no_sync)."""
+    if transformers is None:
+        return None
+    module = RegressionForTrainer()
+    arguments = transformers.TrainingArguments(
+        output_dir=os.path.join(args.out, f"trainer_{run}"), use_cpu=True, per_device_train_batch_size=BATCH // 2,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=0.01, max_grad_norm=0.5, seed=0,
+        report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=module, args=arguments, train_dataset=TrainerData())
+    trainer.train()
+    wrapper = type(trainer.model_wrapped)
+    return f"{wrapper.__module__}.{wrapper.__qualname__}", {k: v.clone() for k, v in module.state_dict().items()}
+
+
+results = {"pydist": {"accelerate": train_with_accelerate(), "lightning": train_with_lightning(),
+                      "hf_trainer": train_with_hf_trainer("pydist")},
            "patched": report.patched, "unreached": report.unreached}
 report.undo()
 import pytorch_lightning.strategies.ddp  # noqa: E402
 
 pytorch_lightning.strategies.ddp.DistributedDataParallel = TORCH_DDP  # see the docstring
-results["torch"] = {"accelerate": train_with_accelerate(), "lightning": train_with_lightning()}
+results["torch"] = {"accelerate": train_with_accelerate(), "lightning": train_with_lightning(),
+                    "hf_trainer": train_with_hf_trainer("torch")}
 if int(os.environ["RANK"]) == 0:
     torch.save(results, os.path.join(args.out, "results.pt"))
 # Groups destroyed before exit, as torch asks: gloo's threads left to the

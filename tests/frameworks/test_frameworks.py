@@ -1,8 +1,9 @@
 """pydist.patch_torch() under the frameworks that build torch's DDP themselves:
-accelerate's multi-CPU path and Lightning's DDP strategy (installed with
+accelerate's multi-CPU path, Lightning's DDP strategy and the HF Trainer
+(which prepares through accelerate; installed with
 --no-deps beside this torch: requirements-frameworks.txt), each trained on
 pydist's DDP through the patch and, after its undo, on torch's DDP, in one
-job of 2 ranks under torchrun (about 20 s on 2 cores); the final parameters
+job of 2 ranks under torchrun (about 40 s on 2 cores); the final parameters
 must be bitwise equal (pydist's DDP sums in torch's order on 2 ranks).
 """
 
@@ -34,8 +35,10 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("framework", ["accelerate", "lightning"])
+@pytest.mark.parametrize("framework", ["accelerate", "lightning", "hf_trainer"])
 def test_framework_builds_pydist_ddp_and_trains_bitwise_as_torch_ddp(runs, framework):
+    if framework == "hf_trainer":
+        pytest.importorskip("transformers", reason="pip install --no-deps -r requirements-frameworks.txt")
     torch_wrapper, torch_params = runs["torch"][framework]
     pydist_wrapper, pydist_params = runs["pydist"][framework]
     assert torch_wrapper == "torch.nn.parallel.distributed.DistributedDataParallel"
