@@ -558,6 +558,25 @@ class FSDPParamGroup:
                     )
         return False
 
+    def params_replaced(self) -> bool:
+        """SHARDED: whether its modules hold other parameters than its
+        sharded ones somewhere, or those no longer hold their pieces of the
+        shard (swap_tensors, ``.data``)."""
+        if any(params.get(name) is not p for params, names in self._sharded_regs for name, p in names.items()):
+            return True
+        return any(fp.local_tensor().dtype != self.dtype or fp.local_tensor().data_ptr()
+                   != fp.local_view(self.shard).data_ptr() for fp in self.fsdp_params if fp.local_numel)
+
+    def take_up_replaced(self) -> bool:
+        """See [Note: a parameter replaced inside a unit] in _fsdp_state.py:
+        a DTensor unit takes up the parameters its modules hold now as after a
+        cast of its module (all cast alike: the unit takes the dtype); another
+        unit raises, naming the parameter. Returns whether anything changed."""
+        what = "a cast or assignment on a submodule of a fully_shard'ed module (e.g. submodule.to(dtype))"
+        if self.dtensor:
+            return self.adopt_registered(what)
+        return self.after_apply()
+
     def _adopt_applied(self) -> None:
         for fp in self.fsdp_params:
             first = fp.module_infos[0]
@@ -617,8 +636,10 @@ class FSDPParamGroup:
                     f"pydist.fully_shard({self.label}): {what} made parameter {fp.fqn} {local.dtype} "
                     f"{tuple(local.shape)} on {local.device} locally; its unit keeps {self.dtype} "
                     f"{tuple(fp.local_shape)}" + (f" on {self.device}" if self.materializing is None else "")
-                    + ". Move or cast the module before fully_shard (for a compute dtype: "
-                    "mp_policy=MixedPrecisionPolicy(...)); materialize it with to_empty(device=...)")
+                    + ". A unit's parameters share one dtype and device: cast the whole fully_shard'ed module "
+                    "(model.to(dtype)), or fully_shard the submodule as a unit of its own; move it before fully_shard "
+                    "(for a compute dtype: mp_policy=MixedPrecisionPolicy(...)); materialize it with "
+                    "to_empty(device=...)")
             for info in fp.module_infos[1:]:
                 info.module._parameters[info.name] = p  # one Parameter per place: tie them again
             p._pydist_fsdp_param = fp  # (swap_tensors swaps the objects' attributes too)

@@ -66,6 +66,9 @@ __all__ = ["FSDPState", "state_of"]
 
 
 _requires_grad_of = operator.attrgetter("requires_grad")
+_get_item = dict.get
+_dtype_of = operator.attrgetter("dtype")
+_local_of = operator.attrgetter("_local_tensor")
 
 # The states the hooks' fast paths test by identity.
 _IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
@@ -283,9 +286,48 @@ class FSDPState:
         self._unit_states = [(s, s.param_group, s is self or (s.mp_policy is not None and (
             s.mp_policy.param_dtype is not None or s.mp_policy.output_dtype is not None)))
                              for s in self.all_states if s.param_group is not None]
-        self._sharded_params = [fp.sharded_param for pg in self._units for fp in pg.fsdp_params]
-        self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]  # (taken up)
+        self._take_up_params()
         overlap_hooks.sharded_root(self)  # [overlap hook] PYDIST_TRACE subscribes
+
+    def _take_up_params(self) -> None:
+        """Root: what the optimizer steps on (each unit's sharded parameters),
+        where each is registered first, and the requires_grad each unit has
+        taken up: what the root's pre-forward checks against."""
+        fsdp_params = [fp for pg in self._units for fp in pg.fsdp_params]
+        self._sharded_params = [fp.sharded_param for fp in fsdp_params]
+        self._param_dicts = [fp.module_infos[0].module._parameters for fp in fsdp_params]
+        self._param_names = [fp.module_infos[0].name for fp in fsdp_params]
+        self._requires_grad = [fp.requires_grad for fp in fsdp_params]
+        # What the pre-forward finds a cast by (see [Note: a parameter
+        # replaced inside a unit]): a DTensor parameter's local tensor (a cast
+        # swaps it), a plain one's dtype.
+        self._dtensor_params = [fp.sharded_param for fp in fsdp_params if fp.spec is not None]
+        self._dtensor_locals = list(map(_local_of, self._dtensor_params))
+        self._plain_params = [fp.sharded_param for fp in fsdp_params if fp.spec is None]
+        self._plain_dtypes = list(map(_dtype_of, self._plain_params))
+
+    # [Note: a parameter replaced inside a unit]
+    # A unit's own ``_apply`` (``model.to(dtype)``, ``.double()`` on the unit's
+    # module or above) reaches the unit (``FSDPParamGroup.after_apply``); one on
+    # a submodule inside it (``block.attn.to(torch.bfloat16)``, where ``block``
+    # is the unit), or an assignment of a new parameter there, does not, and
+    # the next unshard would register the unit's own parameters over new
+    # ones, or gather its shard for parameters whose local tensors
+    # swap_tensors replaced (what _apply does to DTensor parameters): the
+    # cast lost, and the optimizer stepping tensors no forward uses (torch's
+    # FSDP2 loses it so). The root's pre-forward compares what each unit's
+    # modules hold, and their dtypes, with its sharded parameters (C-level
+    # passes) and has a unit that finds a difference take them up as after a
+    # cast of its module, or refuse.
+    def _take_up_replaced(self) -> None:
+        changed = False
+        for pg in self._units:
+            if pg.sharded_state is ShardedState.SHARDED and pg.params_replaced():
+                changed |= pg.take_up_replaced()
+        if changed:
+            self.units_changed()
+        else:  # the units' own changes (a meta unit sharded at its first use): the next check passes
+            self._take_up_params()
 
     def units_changed(self) -> None:
         """Root: a unit's parameter objects or dtype changed between
@@ -294,8 +336,7 @@ class FSDPState:
         bytes, are made afresh from the next forward, as at the first."""
         self.schedule.forget_plans(self._units)
         self.forward_order = []
-        self._sharded_params = [fp.sharded_param for pg in self._units for fp in pg.fsdp_params]
-        self._requires_grad = [fp.requires_grad for pg in self._units for fp in pg.fsdp_params]
+        self._take_up_params()
 
     def subscribe(self, subscriber) -> None:
         """Root: ``subscriber(record)`` is called at the end of every
@@ -467,6 +508,10 @@ class FSDPState:
         self.iteration += 1
         if self.subscribers:
             self.forward_start_ns, self.backward_start_ns = time.monotonic_ns(), -1
+        if (any(map(operator.is_not, map(_get_item, self._param_dicts, self._param_names), self._sharded_params))
+                or any(map(operator.is_not, map(_local_of, self._dtensor_params), self._dtensor_locals))
+                or list(map(_dtype_of, self._plain_params)) != self._plain_dtypes):
+            self._take_up_replaced()  # (or a unit left unsharded since the last iteration)
         self.schedule.plan_forward(self.forward_order, self._batch_bytes(), self._units)
         self.forward_order = []
         self.final_callback_queued = False

@@ -346,6 +346,14 @@ class UnitModule:
         _after_apply(self)
         return out
 
+    def __deepcopy__(self, memo):
+        # As torch's FSDP classes (which raise this AssertionError): a copy
+        # would share the transports and hold shards of the live model.
+        raise AssertionError(
+            f"pydist.fully_shard({type(self).__name__}): a sharded module cannot be deep-copied (its parameters are "
+            "this rank's shards, its units share transports with the other ranks). Copy the model before "
+            "fully_shard (an EMA copy, a reference model), or use a state dict for serialization")
+
     def _fsdp_states(self, recurse: bool):
         modules = self.modules() if recurse else [self]
         return [s for m in modules if (s := state_of(m)) is not None]
@@ -456,13 +464,18 @@ def _state_or_raise(module: nn.Module) -> FSDPState:
 def fsdp2_mixin() -> type:
     """``fully_shard``'s mixin: pydist's methods, torch's type. See [Note: torch's FSDPModule]."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fully_shard as torch_fully_shard
 
     def __new__(cls, *args, **kwargs):
-        # torch's FSDPModule.__new__ (copy.deepcopy, unpickling) builds the
-        # wrapped class at __mro__[2]; here it is one further along.
-        orig_cls = cls.__mro__[3]
+        # As torch's FSDPModule.__new__ (slicing a container, copy.deepcopy,
+        # unpickling): the wrapped class (the one after torch's FSDPModule in
+        # the MRO) without the FSDP class, initialized unless torch's
+        # disable_fsdp_module_new_init() is on (torch 2.13; 2.11 has no such flag).
+        mro = cls.__mro__
+        orig_cls = mro[mro.index(FSDPModule) + 1]
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
-        self.__init__(*args, **kwargs)
+        if getattr(torch_fully_shard, "_enable_fsdp_module_new_init", True):
+            self.__init__(*args, **kwargs)
         return self
 
     def _apply(self, fn, recurse: bool = True):

@@ -128,3 +128,51 @@ def test_cast_after_fully_shard_trains_bitwise_as_torchs_fsdp2():
                 assert (got_kind, got_placements) == (kind, placements), (rank, flow, name)
                 assert got.dtype == ref.dtype == dtype and torch.equal(got, ref), (rank, flow, name)
         assert "not reduced yet" in out["pending"] and "between iterations" in out["pending"], out["pending"]
+
+
+def _submodule_rank(rank, world_size):
+    """A cast on a submodule inside a unit, which the unit's own _apply never
+    sees: all of a unit's submodules cast alike, the root's pre-forward takes
+    the dtype up (bitwise the whole unit cast); one submodule alone is refused
+    there, naming the parameter, on every rank, before any collective."""
+    from pydist import fully_shard
+
+    out = {}
+    for how in ("whole", "submodules"):
+        model = _model(torch.float32)
+        _shard(model, "pydist")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = _steps(model, opt, rank, 0, 2, torch.float32)
+        if how == "whole":
+            model.double()
+        else:
+            for block in model[:-1]:
+                block.lin.double()
+                block.norm.double()
+            model[-1].double()  # the root's own parameters: its module is the root, cast here as a plain Linear
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        after = _steps(model, opt, rank, 2, 2, torch.float64)
+        out[how] = (before + after, _params(model))
+    model = _model(torch.float32)
+    for block in model[:-1]:
+        fully_shard(block)
+    fully_shard(model)
+    model(torch.randn(8, 16)).sum().backward()
+    model[1].norm.double()  # half of the second unit
+    try:
+        model(torch.randn(8, 16))
+        out["half"] = "no error"
+    except NotImplementedError as exc:
+        out["half"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_cast_of_submodules_inside_units_is_taken_up_or_refused():
+    for rank, out in enumerate(run_ranks(_submodule_rank, 2, timeout=130)):
+        (ref_steps, ref_params), (steps, params) = out["whole"], out["submodules"]
+        assert steps == ref_steps, (rank, steps, ref_steps)
+        for name, (ref, kind, placements) in ref_params.items():
+            got, got_kind, got_placements = params[name]
+            assert got.dtype == ref.dtype == torch.float64 and torch.equal(got, ref), (rank, name)
+        assert "fully_shard(1)" in out["half"] and "norm.weight torch.float64" in out["half"], out["half"]
