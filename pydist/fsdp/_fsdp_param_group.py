@@ -564,8 +564,11 @@ class FSDPParamGroup:
         shard (swap_tensors, ``.data``)."""
         if any(params.get(name) is not p for params, names in self._sharded_regs for name, p in names.items()):
             return True
-        return any(fp.local_tensor().dtype != self.dtype or fp.local_tensor().data_ptr()
-                   != fp.local_view(self.shard).data_ptr() for fp in self.fsdp_params if fp.local_numel)
+        if self.materializing is not None:
+            return False
+        base, size = self.shard.data_ptr(), self.shard.element_size()
+        return any((local := fp.local_tensor()).dtype != self.dtype or local.data_ptr() != base + fp.shard_offset * size
+                   for fp in self.fsdp_params if fp.local_numel)
 
     def take_up_replaced(self) -> bool:
         """See [Note: a parameter replaced inside a unit] in _fsdp_state.py:
