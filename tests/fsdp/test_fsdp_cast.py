@@ -99,20 +99,21 @@ def _rank(rank, world_size):
         after = _steps(model, opt, rank, 2, 3, torch.float64)
         out["recast", impl] = ({p.dtype for p in model.parameters()}, before + after, _params(model))
 
-    from pydist import fully_shard
-
     model = _model(torch.float32)
-    for block in model[:-1]:
-        fully_shard(block)
-    fully_shard(model)
+    _shard(model, "pydist")
     model.set_requires_gradient_sync(False)
     model(torch.randn(8, 16)).sum().backward()  # gradients kept unreduced, in float32, for the next backward
-    try:
-        model.double()
-        out["pending"] = "no error"
-    except NotImplementedError as exc:
-        out["pending"] = str(exc)
+    out["pending"] = _refusal(model.double)
     return out
+
+
+def _refusal(call) -> str:
+    """The message of the NotImplementedError ``call()`` raises."""
+    try:
+        call()
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
 
 
 @pytest.mark.timeout(150)
@@ -135,8 +136,6 @@ def _submodule_rank(rank, world_size):
     sees: all of a unit's submodules cast alike, the root's pre-forward takes
     the dtype up (bitwise the whole unit cast); one submodule alone is refused
     there, naming the parameter, on every rank, before any collective."""
-    from pydist import fully_shard
-
     out = {}
     for how in ("whole", "submodules"):
         model = _model(torch.float32)
@@ -154,16 +153,10 @@ def _submodule_rank(rank, world_size):
         after = _steps(model, opt, rank, 2, 2, torch.float64)
         out[how] = (before + after, _params(model))
     model = _model(torch.float32)
-    for block in model[:-1]:
-        fully_shard(block)
-    fully_shard(model)
+    _shard(model, "pydist")
     model(torch.randn(8, 16)).sum().backward()
     model[1].norm.double()  # half of the second unit
-    try:
-        model(torch.randn(8, 16))
-        out["half"] = "no error"
-    except NotImplementedError as exc:
-        out["half"] = str(exc)
+    out["half"] = _refusal(lambda: model(torch.randn(8, 16)))
     return out
 
 
