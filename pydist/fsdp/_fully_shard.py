@@ -464,7 +464,11 @@ def _state_or_raise(module: nn.Module) -> FSDPState:
 def fsdp2_mixin() -> type:
     """``fully_shard``'s mixin: pydist's methods, torch's type. See [Note: torch's FSDPModule]."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard import _fully_shard as torch_fully_shard
+
+    try:  # torch's module, for its disable_fsdp_module_new_init flag (a private path)
+        from torch.distributed.fsdp._fully_shard import _fully_shard as torch_fully_shard
+    except ImportError:
+        torch_fully_shard = None
 
     def __new__(cls, *args, **kwargs):
         # As torch's FSDPModule.__new__ (slicing a container, copy.deepcopy,
