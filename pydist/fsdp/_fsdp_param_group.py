@@ -527,15 +527,16 @@ class FSDPParamGroup:
     # Each rank materializes the unit in full once, as a model built on the
     # CPU and then fully_shard'ed does; every rank must initialize the same
     # values (the same seed), as then. The result is bitwise that model's.
-    def after_apply(self) -> bool:
-        """``Module._apply`` (to_empty, .to, .float ...) ran over the unit's
-        modules: a meta unit adopts the parameters it left there, a DTensor
-        unit those and their dtype; any other unit must still have its own in
-        place, or raises. Returns whether the unit's parameter objects or
-        dtype changed."""
+    def after_apply(self, what: str = "moving or casting a fully_shard'ed module (Module._apply: .to(), .float(), "
+                                      ".half() ...)") -> bool:
+        """``what`` (``Module._apply``: to_empty, .to, .float ...; or one on
+        a submodule, see [Note: a parameter replaced inside a unit] in
+        _fsdp_state.py) ran over the unit's modules: a meta unit adopts the
+        parameters it left there, a DTensor unit those and their dtype; any
+        other unit must still have its own in place, or raises. Returns
+        whether the unit's parameter objects or dtype changed."""
         if self.dtensor:
-            return self.adopt_registered("moving or casting a fully_shard'ed module (Module._apply: .to(), "
-                                         ".float(), .half() ...)")
+            return self.adopt_registered(what)
         if self.materializing:
             self._adopt_applied()
             return True
@@ -569,16 +570,6 @@ class FSDPParamGroup:
         base, size = self.shard.data_ptr(), self.shard.element_size()
         return any((local := fp.local_tensor()).dtype != self.dtype or local.data_ptr() != base + fp.shard_offset * size
                    for fp in self.fsdp_params if fp.local_numel)
-
-    def take_up_replaced(self) -> bool:
-        """See [Note: a parameter replaced inside a unit] in _fsdp_state.py:
-        a DTensor unit takes up the parameters its modules hold now as after a
-        cast of its module (all cast alike: the unit takes the dtype); another
-        unit raises, naming the parameter. Returns whether anything changed."""
-        what = "a cast or assignment on a submodule of a fully_shard'ed module (e.g. submodule.to(dtype))"
-        if self.dtensor:
-            return self.adopt_registered(what)
-        return self.after_apply()
 
     def _adopt_applied(self) -> None:
         for fp in self.fsdp_params:
@@ -622,9 +613,7 @@ class FSDPParamGroup:
         changed = self.materializing is None and len(dtypes) == 1 and self.dtype not in dtypes
         if changed:
             self._retype(dtypes.pop(), what)  # every parameter cast alike: the unit takes the dtype
-        for fp in self.fsdp_params:
-            first = fp.module_infos[0]
-            p = first.module._parameters.get(first.name)
+        for fp, p in zip(self.fsdp_params, registered):  # (_retype leaves the modules as they are)
             if not isinstance(p, DTensor) or p.shape != fp.shape or p._spec.placements != fp.spec.placements:
                 raise NotImplementedError(
                     f"pydist.fully_shard({self.label}): {what} left parameter {fp.fqn} as "

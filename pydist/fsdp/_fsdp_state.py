@@ -287,6 +287,7 @@ class FSDPState:
             s.mp_policy.param_dtype is not None or s.mp_policy.output_dtype is not None)))
                              for s in self.all_states if s.param_group is not None]
         self._take_up_params()
+        self._units_changed = False  # see units_changed
         overlap_hooks.sharded_root(self)  # [overlap hook] PYDIST_TRACE subscribes
 
     def _take_up_params(self) -> None:
@@ -324,17 +325,25 @@ class FSDPState:
         changed = False
         for pg in self._units:
             if pg.sharded_state is ShardedState.SHARDED and pg.params_replaced():
-                changed |= pg.take_up_replaced()
+                changed |= pg.after_apply("a cast or assignment on a submodule of a fully_shard'ed module "
+                                          "(e.g. submodule.to(dtype))")
         if changed:
-            self.units_changed()
+            self._take_up_changes()
         else:  # the units' own changes (a meta unit sharded at its first use): the next check passes
             self._take_up_params()
 
     def units_changed(self) -> None:
         """Root: a unit's parameter objects or dtype changed between
-        iterations (``Module._apply`` cast it, ``load_state_dict(assign=True)``):
-        what the root took from them goes, and the plans, cut by dtype and
-        bytes, are made afresh from the next forward, as at the first."""
+        iterations (``Module._apply`` cast it, ``load_state_dict(assign=True)``).
+        Taken up at the next pre-forward, once however many units report it
+        (a cast of the whole model reports every unit)."""
+        self._units_changed = True
+
+    def _take_up_changes(self) -> None:
+        """Root: after ``units_changed``, what the root took from the units
+        goes, and the plans, cut by dtype and bytes, are made afresh from this
+        forward, as at the first."""
+        self._units_changed = False
         self.schedule.forget_plans(self._units)
         self.forward_order = []
         self._take_up_params()
@@ -509,6 +518,8 @@ class FSDPState:
         self.iteration += 1
         if self.subscribers:
             self.forward_start_ns, self.backward_start_ns = time.monotonic_ns(), -1
+        if self._units_changed:
+            self._take_up_changes()
         if (any(map(operator.is_not, map(_get_item, self._param_dicts, self._param_names), self._sharded_params))
                 or any(map(operator.is_not, map(_local_of, self._dtensor_params), self._dtensor_locals))
                 or list(map(_dtype_of, self._plain_params)) != self._plain_dtypes):

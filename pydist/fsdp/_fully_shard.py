@@ -104,7 +104,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     module.__dict__["_pydist_fsdp_state"] = FSDPState(module, param_group, group, shm, mp_policy, replicate_group)
     register_state_dict_hooks(module)  # see [Note: the sharded state dict]
     if param_group is not None and param_group.dtensor:  # torch's reset after load_state_dict(assign=True)
-        module.register_load_state_dict_post_hook(lambda *_: _adopt_registered(module, "load_state_dict(assign=True)"))
+        module.register_load_state_dict_post_hook(lambda *_: _after_apply(module, "load_state_dict(assign=True)"))
     install_torch_checkpoint_api()  # see [Note: torch's checkpoint helpers on pydist's shards]
     install_local_shard_step()  # see [Note: the optimizer step on local shards]
     # Libraries ask whether a module is FSDP-managed the way torch's
@@ -503,15 +503,11 @@ def unshard_handle() -> type:
     return type("UnshardHandle", (_UnshardHandle, UnshardHandle), {})
 
 
-def _after_apply(module: nn.Module) -> None:
+def _after_apply(module: nn.Module, *what: str) -> None:
+    """``FSDPParamGroup.after_apply`` of the module's unit (``what``: what
+    changed its parameters, where not ``Module._apply``), told to its root."""
     state = state_of(module)
-    if state is not None and state.param_group is not None and state.param_group.after_apply() and state.root:
-        state.root.units_changed()
-
-
-def _adopt_registered(module: nn.Module, what: str) -> None:
-    state = state_of(module)
-    if state.param_group.adopt_registered(what) and state.root:
+    if state is not None and state.param_group is not None and state.param_group.after_apply(*what) and state.root:
         state.root.units_changed()
 
 
